@@ -1,0 +1,50 @@
+"""Config dataclasses whose attribute docstrings become the CLI help: one source for both."""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field name: the docstring written under it} for a dataclass."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                    docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one --flag per field (underscores become dashes)."""
+    parser = argparse.ArgumentParser(description=description or (cls.__doc__ or "").strip().splitlines()[0])
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = docs.get(f.name, "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        kind = hints[f.name]
+        args = typing.get_args(kind)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        base = next((a for a in args if a is not type(None)), kind) if args else kind
+        if typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(flag, choices=list(args), default=default, help=f"{help_text} (default: {default})")
+        else:
+            parser.add_argument(flag, type=base, default=default, help=f"{help_text} (default: {default})")
+    return parser
+
+
+def parse_config(cls, argv=None, description: str | None = None):
+    namespace = build_parser(cls, description).parse_args(argv)
+    return cls(**vars(namespace))

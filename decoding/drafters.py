@@ -1,0 +1,180 @@
+"""Drafters: one protocol, three kinds (prompt lookup, a draft LM with its own KV cache, EAGLE-style).
+
+A drafter sees the whole confirmed context each step and proposes up to k tokens; after verification
+the loop tells it how long a prefix of the new context it may keep (`rollback`). A drafter that
+reads the target's hidden states (EAGLE-style) sets `needs_hidden = True` and receives the target's
+last-layer hidden states of the newly confirmed positions in `propose(..., target_hidden=...)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .errors import SpecPilotError
+from .sampling import Sampling, probs_from_logits, sample
+
+
+@dataclass
+class Draft:
+    """What a drafter proposes for one step."""
+
+    tokens: torch.Tensor
+    """(n,) proposed token ids, n <= k."""
+    probs: torch.Tensor | None = None
+    """(n, V) the draft distributions the tokens were sampled from (sampling only; None = deterministic)."""
+    confidences: list[float] = field(default_factory=list)
+    """Top-1 probability of the draft at each proposed position."""
+    entropies: list[float] = field(default_factory=list)
+    """Entropy (nats) of the draft distribution at each proposed position."""
+    match_len: int = 0
+    """Prompt-lookup drafters: length of the n-gram that matched (0 = none)."""
+
+
+class Drafter(Protocol):
+    name: str
+    needs_hidden: bool
+
+    def reset(self, prompt: torch.Tensor) -> None:
+        """Start a new sequence whose context is `prompt` (1-D ids)."""
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: Sampling,
+        generator: torch.Generator | None,
+        stop_below: float | None = None,
+        target_hidden: torch.Tensor | None = None,
+    ) -> Draft:
+        """Up to k tokens continuing `context`; stop early when the top-1 probability < stop_below."""
+
+    def rollback(self, length: int) -> None:
+        """The first `length` tokens of the context are confirmed; forget any state beyond them."""
+
+
+def entropy_of(p: torch.Tensor) -> float:
+    """Entropy in nats of a probability vector."""
+    return float(-(p * torch.log(p.clamp_min(1e-30))).sum())
+
+
+def empty_draft(device: torch.device | str) -> Draft:
+    return Draft(tokens=torch.empty(0, dtype=torch.long, device=device))
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Drop cached positions beyond the first `keep` (transformers' crop takes a negative count)."""
+    extra = cache.get_seq_length() - keep
+    if extra > 0:
+        cache.crop(-extra)
+
+
+class NgramDrafter:
+    """Model-free prompt-lookup drafting: find the most recent earlier occurrence of the context's
+    last n tokens (n from `max_n` down to `min_n`) and propose the tokens that followed it."""
+
+    needs_hidden = False
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise SpecPilotError(f"ngram drafter needs 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.name = f"ngram:{max_n}"
+
+    def reset(self, prompt: torch.Tensor) -> None:
+        pass
+
+    def rollback(self, length: int) -> None:
+        pass
+
+    def lookup(self, context: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+        """(continuation of at most k tokens, matched n-gram length); empty when nothing matches."""
+        length = context.shape[0]
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            tail = context[length - n :]
+            windows = context[: length - 1].unfold(0, n, 1)  # windows that end before the last token
+            hits = (windows == tail).all(dim=1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return context[start : start + k], n
+        return context[:0], 0
+
+    def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
+        if k <= 0:
+            return empty_draft(context.device)
+        tokens, n = self.lookup(context, k)
+        ones = [1.0] * tokens.shape[0]
+        return Draft(tokens=tokens, probs=None, confidences=ones, entropies=[0.0] * len(ones), match_len=n)
+
+
+class ModelDrafter:
+    """A causal LM that shares the target's tokenizer, with its own KV cache.
+
+    `vocab_size` is the width of the target's logits: draft logits are cut or padded to it so that
+    draft and target distributions live on the same support.
+    """
+
+    needs_hidden = False
+
+    def __init__(self, model, name: str, vocab_size: int):
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        self.name = name
+        self.vocab_size = vocab_size
+        self._cache_cls = DynamicCache
+        self.cache = None
+        self.cached = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def reset(self, prompt: torch.Tensor) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+        self.cached = 0
+
+    def rollback(self, length: int) -> None:
+        if self.cached > length:
+            crop_cache(self.cache, length)
+            self.cached = length
+
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids[None].to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached += ids.shape[0]
+        logits = out.logits[0, -1].float()
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            logits = logits[: self.vocab_size]
+        elif width < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
+        if k <= 0:
+            return empty_draft(context.device)
+        feed = context[self.cached :]
+        tokens, probs, confidences, entropies = [], [], [], []
+        for _ in range(k):
+            p = probs_from_logits(self._logits(feed), sampling)
+            top = p.max()
+            conf = float(top)
+            if stop_below is not None and conf < stop_below:
+                break
+            token = p.argmax() if sampling.greedy else sample(p, generator)
+            tokens.append(token.reshape(1))
+            confidences.append(conf)
+            entropies.append(entropy_of(p))
+            if not sampling.greedy:
+                probs.append(p)
+            feed = token.reshape(1)
+        if not tokens:
+            return Draft(tokens=context[:0], confidences=[], entropies=[])
+        return Draft(
+            tokens=torch.cat(tokens).to(context.device),
+            probs=torch.stack(probs).to(context.device) if probs else None,
+            confidences=confidences,
+            entropies=entropies,
+        )

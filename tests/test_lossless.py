@@ -1,0 +1,100 @@
+"""Greedy speculative decoding must reproduce the target's own greedy decoding, token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import RandomK, perturbed_copy, plain_greedy, tiny_target
+from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.loop import generate
+from decoding.policies import parse_policy
+
+PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42]]
+POLICIES = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5"]
+
+
+def drafters(target_model, draft_model):
+    return {
+        "ngram": NgramDrafter(3),
+        "model": ModelDrafter(draft_model, "perturbed", target_model.config.vocab_size),
+        "identical": ModelDrafter(target_model, "identical", target_model.config.vocab_size),
+    }
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("drafter", ["ngram", "model", "identical"])
+def test_greedy_lossless_every_policy(tiny_pair, policy, drafter):
+    target_model, draft_model = tiny_pair
+    draft = drafters(target_model, draft_model)[drafter]
+    target = tiny_target(target_model)
+    for prompt in PROMPTS:
+        reference = plain_greedy(target_model, prompt, 40)
+        result = generate(target, draft, parse_policy(policy), prompt, 40)
+        assert result.token_ids == reference, (policy, drafter, prompt)
+        assert sum(len(s.new_tokens) for s in result.steps) == 40
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_lossless_random_k_and_eos(tiny_pair, seed):
+    target_model, draft_model = tiny_pair
+    prompt = PROMPTS[seed % len(PROMPTS)]
+    full = plain_greedy(target_model, prompt, 30)
+    # an EOS id that the target emits mid-way, so it lands inside some accepted draft
+    eos = full[7 + seed]
+    reference = plain_greedy(target_model, prompt, 30, eos=eos)
+    assert reference[-1] == eos and len(reference) < 30
+    for draft in drafters(target_model, draft_model).values():
+        result = generate(tiny_target(target_model, eos=eos), draft, RandomK(seed=seed), prompt, 30)
+        assert result.token_ids == reference
+        assert all(s.k <= 30 for s in result.steps)
+
+
+def test_k_capped_by_remaining_budget(tiny_pair):
+    target_model, _ = tiny_pair
+    draft = ModelDrafter(target_model, "identical", target_model.config.vocab_size)
+    result = generate(tiny_target(target_model), draft, parse_policy("static:8"), [3, 4, 5], 11)
+    assert [s.k for s in result.steps] == [8, 1]  # 9 tokens, then only 2 remain: k = 1
+    assert len(result.token_ids) == 11
+    assert result.token_ids == plain_greedy(target_model, [3, 4, 5], 11)
+
+
+def test_identical_draft_accepts_everything(tiny_pair):
+    target_model, _ = tiny_pair
+    draft = ModelDrafter(target_model, "identical", target_model.config.vocab_size)
+    result = generate(tiny_target(target_model), draft, parse_policy("static:4"), [7, 8], 25)
+    assert result.stats.accept_rate == 1.0
+    assert result.stats.steps == 5
+
+
+def test_perturbed_draft_rejects_some(tiny_pair):
+    target_model, draft_model = tiny_pair
+    draft = ModelDrafter(draft_model, "perturbed", target_model.config.vocab_size)
+    result = generate(tiny_target(target_model), draft, parse_policy("static:4"), [7, 8], 40)
+    assert 0.0 < result.stats.accept_rate < 1.0  # so the tests above exercise rollback
+
+
+def test_stats_are_consistent(tiny_pair):
+    target_model, draft_model = tiny_pair
+    draft = ModelDrafter(draft_model, "perturbed", target_model.config.vocab_size)
+    stats = generate(tiny_target(target_model), draft, parse_policy("heuristic"), [7, 8], 40).stats
+    assert stats.new_tokens == 40
+    assert sum(stats.accept_counts.values()) == stats.steps
+    assert stats.mean_accepted == pytest.approx(sum(a * c for a, c in stats.accept_counts.items()) / stats.steps)
+    assert stats.tokens_per_s > 0
+
+
+@pytest.mark.embedded
+def test_embedded_target_ngram_lossless(embedded_target):
+    prompt = embedded_target.encode(
+        "Rewrite this function with a docstring:\ndef add(a, b):\n    return a + b\n", chat=True
+    )
+    reference = embedded_target.model.generate(
+        torch.tensor([prompt]), max_new_tokens=48, do_sample=False, pad_token_id=2
+    )[0, len(prompt):].tolist()
+    eos = next(iter(embedded_target.eos_ids))
+    if eos in reference:
+        reference = reference[: reference.index(eos) + 1]
+    for policy in ["static:4", "heuristic"]:
+        result = generate(embedded_target, NgramDrafter(3), parse_policy(policy), prompt, 48)
+        assert result.token_ids == reference, policy
+        assert result.stats.mean_k > 0
