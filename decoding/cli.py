@@ -101,3 +101,95 @@ def generate_main(argv: list[str] | None = None) -> int:
         print(f"[{s.new_tokens} tokens in {s.seconds:.2f}s = {s.tokens_per_s:.1f} tok/s; policy {policy.name}, "
               f"mean k {s.mean_k:.2f}, accept rate {s.accept_rate:.2f}]", file=sys.stderr)
     return 0
+
+
+@dataclass
+class BenchmarkConfig:
+    """Benchmark length policies side by side (interleaved, medians) on a prompt set."""
+
+    policies: str = "none,static:1,static:2,static:4,static:8,heuristic,confidence:0.5"
+    """Comma-separated policies; static:A..B expands to every k in the range."""
+    draft: str = "ngram"
+    """Drafter for every speculative policy (see generate --draft)."""
+    target: str = "embedded"
+    """Target model (see generate --target)."""
+    prompts: str | None = None
+    """Prompt JSONL file (default: the project's set)."""
+    split: str = "test"
+    """Which split of the prompt file: train | test | all."""
+    per_category: int = 0
+    """Use at most this many prompts per category (0 = all)."""
+    repeats: int = 1
+    """Runs of every (policy, prompt) pair; the median time counts."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt."""
+    k_max: int = DEFAULT_K_MAX
+    """Largest draft length a policy may choose."""
+    chat: bool = True
+    """Wrap prompts in the chat template."""
+    temperature: float = 0.0
+    """0 = greedy (also checks losslessness against plain decoding)."""
+    device: str = "auto"
+    """Torch device: auto | cpu | cuda."""
+    dtype: str = "auto"
+    """Model dtype: auto | float32 | bfloat16 | float16."""
+    allow_device_mismatch: bool = False
+    """Let a learned policy trained on another device run."""
+    out: str = "runs/benchmark"
+    """Folder for results.json."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def expand_policies(text: str) -> list[str]:
+    names = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, arg = part.partition(":")
+        if ".." in arg:
+            lo, _, hi = arg.partition("..")
+            try:
+                names += [f"{name}:{k}" for k in range(int(lo), int(hi) + 1)]
+            except ValueError:
+                raise SpecPilotError(f"bad policy range '{part}'; expected e.g. static:1..8") from None
+        else:
+            names.append(part)
+    return names
+
+
+def benchmark_main(argv: list[str] | None = None) -> int:
+    from .benchmark import format_table, run_benchmark, summarize, write_results
+    from .models import load_draft, load_target
+    from .policies import parse_policy
+    from .prompts import load_prompts
+    from .sampling import Sampling
+
+    cfg = parse_config(BenchmarkConfig, argv)
+    names = expand_policies(cfg.policies)
+    if "none" not in names:
+        names.insert(0, "none")
+    policies = {n: parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch) for n in names}
+    prompts = load_prompts(cfg.prompts, cfg.split)
+    if cfg.per_category:
+        taken: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            taken[p.category] = taken.get(p.category, 0) + 1
+            if taken[p.category] <= cfg.per_category:
+                kept.append(p)
+        prompts = kept
+    target = load_target(cfg.target, cfg.dtype, cfg.device)
+    draft = load_draft(cfg.draft, target, cfg.dtype)
+    sampling = Sampling(cfg.temperature)
+    runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)
+    summary = summarize(runs, greedy=sampling.greedy)
+    from .hardware import cpu_name, gpu_names
+
+    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": str(target.device),
+            "hardware": (gpu_names() or [cpu_name()])[0] if target.device.type == "cuda" else cpu_name()}
+    path = write_results(cfg.out, runs, summary, meta)
+    print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) x {cfg.repeats} | "
+          f"{cfg.max_new_tokens} new tokens | {meta['hardware']}")
+    print(format_table(summary))
+    print(f"results: {path}")
+    return 0

@@ -207,9 +207,11 @@ class GenerationStats:
     accept_rate: float
     accept_counts: dict[int, int]
     prefill_s: float = 0.0
+    policy_s: float = 0.0
+    """Time spent building observations and choosing k (the controller's overhead)."""
 
     @classmethod
-    def from_steps(cls, steps: list[StepResult], seconds: float, prefill_s: float = 0.0) -> "GenerationStats":
+    def from_steps(cls, steps: list[StepResult], seconds: float, prefill_s: float = 0.0, policy_s: float = 0.0) -> "GenerationStats":
         n = len(steps)
         new = sum(len(s.new_tokens) for s in steps)
         drafted = sum(s.k for s in steps)
@@ -224,6 +226,7 @@ class GenerationStats:
             accept_rate=accepted / drafted if drafted else 0.0,
             accept_counts=dict(sorted(Counter(s.accepted for s in steps).items())),
             prefill_s=prefill_s,
+            policy_s=policy_s,
         )
 
     def as_dict(self) -> dict:
@@ -232,7 +235,7 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3), "mean_k": round(self.mean_k, 4),
             "mean_accepted": round(self.mean_accepted, 4), "accept_rate": round(self.accept_rate, 4),
             "accept_counts": {str(a): c for a, c in self.accept_counts.items()},
-            "prefill_s": round(self.prefill_s, 6),
+            "prefill_s": round(self.prefill_s, 6), "policy_s": round(self.policy_s, 6),
         }
 
 
@@ -264,15 +267,19 @@ def generate(
     policy.reset()
     observer.reset(state)
     steps: list[StepResult] = []
+    policy_s = 0.0
+    clock = time.perf_counter
     synchronize(state.buffer.device)
-    t0 = time.perf_counter()
+    t0 = clock()
     while not state.done:
+        t_obs = clock()
         k = policy.choose_k(observer.build(state))
+        policy_s += clock() - t_obs
         step = speculative_step(state, k, stop_below=policy.stop_below)
         policy.update(step)
         observer.push(step)
         steps.append(step)
         if on_step is not None:
             on_step(step)
-    seconds = time.perf_counter() - t0
-    return Generation(state.generated, steps, GenerationStats.from_steps(steps, seconds, state.prefill_s))
+    seconds = clock() - t0
+    return Generation(state.generated, steps, GenerationStats.from_steps(steps, seconds, state.prefill_s, policy_s))

@@ -1,0 +1,135 @@
+"""Every length policy side by side on the same prompts: same process, interleaved order, medians.
+
+Speed is compared as ratios inside one run (these machines drift by up to 1.5x within an hour):
+per prompt, each policy's median seconds over the repeats; per category and overall, tokens/s =
+total tokens / total median seconds, and speedup = that over plain decoding (policy `none`).
+Greedy runs are also checked token for token against plain decoding.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import SpecPilotError
+from .loop import generate
+from .policies import LengthPolicy
+from .prompts import Prompt
+from .sampling import Sampling
+
+
+@dataclass
+class Run:
+    policy: str
+    question_id: str
+    category: str
+    repeat: int
+    new_tokens: int
+    seconds: float
+    steps: int
+    drafted: int
+    accepted: int
+    policy_s: float
+    ks: list[int]
+    token_ids: list[int]
+
+
+def run_benchmark(
+    target,
+    draft,
+    policies: dict[str, LengthPolicy],
+    prompts: list[Prompt],
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    sampling: Sampling = Sampling(),
+    chat: bool = True,
+    progress: bool = True,
+    observer_factory=None,
+) -> list[Run]:
+    """Run every policy on every prompt `repeats` times, rotating the policy order per prompt."""
+    from tqdm import tqdm
+
+    if "none" not in policies:
+        raise SpecPilotError("the benchmark needs the 'none' policy (plain decoding) as its baseline")
+    names = list(policies)
+    encoded = [target.encode(p.text, chat=chat) for p in prompts]
+    # warm-up: the first forward passes of a process are slow (allocator, kernels)
+    generate(target, draft, policies[names[-1]], encoded[0], 8, sampling)
+    runs: list[Run] = []
+    bar = tqdm(total=repeats * len(prompts) * len(names), desc="benchmark", disable=not progress, file=sys.stderr)
+    for r in range(repeats):
+        for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            shift = (r + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                observer = observer_factory(policies[name]) if observer_factory else None
+                result = generate(target, draft if policies[name].k_max > 0 else None, policies[name], ids,
+                                  max_new_tokens, sampling, seed=r, observer=observer)
+                s = result.stats
+                runs.append(Run(name, prompt.question_id, prompt.category, r, s.new_tokens, s.seconds, s.steps,
+                                sum(x.k for x in result.steps), sum(x.accepted for x in result.steps),
+                                s.policy_s, [x.k for x in result.steps], result.token_ids))
+                bar.update()
+    bar.close()
+    return runs
+
+
+def summarize(runs: list[Run], greedy: bool = True) -> dict:
+    """Per policy and category: tokens/s, speedup over plain, accept rate, mean k, mean accepted."""
+    by_key: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        by_key[(run.policy, run.question_id)].append(run)
+    policies = list(dict.fromkeys(run.policy for run in runs))
+    categories = sorted({run.category for run in runs})
+    plain_ids = {q: rs[0].token_ids for (p, q), rs in by_key.items() if p == "none"}
+    table: dict[str, dict[str, dict]] = {}
+    for policy in policies:
+        table[policy] = {}
+        for category in categories + ["overall"]:
+            keys = [k for k in by_key if k[0] == policy and (category == "overall" or by_key[k][0].category == category)]
+            if not keys:
+                continue
+            tokens = sum(by_key[k][0].new_tokens for k in keys)
+            seconds = sum(statistics.median(r.seconds for r in by_key[k]) for k in keys)
+            plain_seconds = sum(statistics.median(r.seconds for r in by_key[("none", k[1])]) for k in keys)
+            plain_tokens = sum(by_key[("none", k[1])][0].new_tokens for k in keys)
+            group = [r for k in keys for r in by_key[k]]
+            drafted = sum(r.drafted for r in group)
+            steps = sum(r.steps for r in group)
+            table[policy][category] = {
+                "prompts": len(keys),
+                "tokens_per_s": tokens / seconds,
+                "speedup": (tokens / seconds) / (plain_tokens / plain_seconds),
+                "accept_rate": sum(r.accepted for r in group) / drafted if drafted else 0.0,
+                "mean_k": drafted / steps,
+                "mean_accepted": sum(r.accepted for r in group) / steps,
+                "overhead_frac": sum(r.policy_s for r in group) / sum(r.seconds for r in group),
+                "lossless": all(by_key[k][0].token_ids == plain_ids[k[1]] for k in keys) if greedy else None,
+            }
+    return {"policies": policies, "categories": categories, "table": table}
+
+
+def format_table(summary: dict) -> str:
+    """A fixed-width table: one row per policy, overall columns then speedup per category."""
+    cats = summary["categories"]
+    head = f"{'policy':<16}{'tok/s':>8}{'speedup':>9}{'acc.rate':>9}{'mean k':>8}{'mean acc':>9}{'ovh%':>6}{'lossless':>9}"
+    head += "".join(f"{c[:11]:>12}" for c in cats)
+    lines = [head, "-" * len(head)]
+    for policy in summary["policies"]:
+        row = summary["table"][policy]
+        o = row["overall"]
+        line = (f"{policy:<16}{o['tokens_per_s']:>8.2f}{o['speedup']:>8.3f}x{o['accept_rate']:>9.3f}{o['mean_k']:>8.2f}"
+                f"{o['mean_accepted']:>9.2f}{100 * o['overhead_frac']:>6.2f}{str(o['lossless']):>9}")
+        line += "".join(f"{row[c]['speedup']:>11.3f}x" if c in row else f"{'-':>12}" for c in cats)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write_results(out_dir: str | Path, runs: list[Run], summary: dict, meta: dict) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
+    return path

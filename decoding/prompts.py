@@ -1,0 +1,44 @@
+"""Prompt sets: JSONL, one object per line with `category` and `turns` (a list of strings; the first
+turn is the user message), optionally `question_id` and `split` ('train' / 'test')."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SpecPilotError
+
+DEFAULT_PROMPTS = Path(__file__).with_name("data") / "prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    question_id: str
+    category: str
+    text: str
+    split: str = "train"
+
+
+def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[Prompt]:
+    """The prompts of a JSONL file (default: the project's set), optionally one split only."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.is_file():
+        raise SpecPilotError(f"prompt file not found: {path}")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            turns = row["turns"]
+            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+                raise ValueError("'turns' must be a non-empty list of strings")
+            prompts.append(Prompt(str(row.get("question_id", f"{path.stem}-{number}")), str(row["category"]),
+                                  turns[0], str(row.get("split", "train"))))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SpecPilotError(f"{path}:{number}: not a prompt line ({exc})") from None
+    if split not in (None, "all"):
+        prompts = [p for p in prompts if p.split == split]
+    if not prompts:
+        raise SpecPilotError(f"no prompts in {path}" + (f" for split '{split}'" if split else ""))
+    return prompts

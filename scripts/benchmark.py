@@ -1,0 +1,8 @@
+#!/usr/bin/env python
+"""Benchmark length policies side by side; see `python scripts/benchmark.py --help`."""
+import sys
+
+from decoding.cli import benchmark_main, run_cli
+
+if __name__ == "__main__":
+    sys.exit(run_cli(benchmark_main))
