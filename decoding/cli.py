@@ -160,7 +160,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     from .benchmark import format_table, run_benchmark, summarize, write_results
     from .models import load_draft, load_target
     from .policies import parse_policy
-    from .prompts import load_prompts
+    from .prompts import load_prompts, per_category
     from .sampling import Sampling
 
     cfg = parse_config(BenchmarkConfig, argv)
@@ -169,14 +169,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
         names.insert(0, "none")
     policies = {n: parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch) for n in names}
     prompts = load_prompts(cfg.prompts, cfg.split)
-    if cfg.per_category:
-        taken: dict[str, int] = {}
-        kept = []
-        for p in prompts:
-            taken[p.category] = taken.get(p.category, 0) + 1
-            if taken[p.category] <= cfg.per_category:
-                kept.append(p)
-        prompts = kept
+    prompts = per_category(prompts, cfg.per_category)
     target = load_target(cfg.target, cfg.dtype, cfg.device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
     sampling = Sampling(cfg.temperature)

@@ -38,7 +38,9 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         base = next((a for a in args if a is not type(None)), kind) if args else kind
-        if typing.get_origin(kind) is typing.Literal:
+        if typing.get_origin(kind) is list:
+            parser.add_argument(flag, type=args[0], action="append", default=list(default), help=f"{help_text} (repeatable)")
+        elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(flag, choices=list(args), default=default, help=f"{help_text} (default: {default})")
         else:
             parser.add_argument(flag, type=base, default=default, help=f"{help_text} (default: {default})")

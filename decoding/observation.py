@@ -54,7 +54,7 @@ class ObservationBuilder:
         return len(FEATURES)
 
     def reset(self, state=None) -> None:
-        """Forget the previous sequence (costs are kept: they describe the device, not the text)."""
+        """Start a new sequence: every statistic restarts, in training and at inference alike."""
         if state is not None and self._monitor is None:
             self._monitor = shared_monitor(self._device or str(state.buffer.device))
         self.ratios: list[float] = []
@@ -65,10 +65,9 @@ class ObservationBuilder:
         self.confidence_min = 1.0
         self.entropy_last = 0.0
         self.match_len = 0
-        if not hasattr(self, "draft_ms"):
-            self.draft_ms = math.nan
-            self.verify_ms = math.nan
-            self.plain_ms = math.nan
+        self.draft_ms = math.nan
+        self.verify_ms = math.nan
+        self.plain_ms = math.nan
 
     def push(self, step) -> None:
         """Fold one StepResult into the statistics."""

@@ -42,3 +42,16 @@ def load_prompts(path: str | Path | None = None, split: str | None = None) -> li
     if not prompts:
         raise SpecPilotError(f"no prompts in {path}" + (f" for split '{split}'" if split else ""))
     return prompts
+
+
+def per_category(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """The first n prompts of each category (all of them when n <= 0), in file order."""
+    if n <= 0:
+        return list(prompts)
+    taken: dict[str, int] = {}
+    kept = []
+    for prompt in prompts:
+        taken[prompt.category] = taken.get(prompt.category, 0) + 1
+        if taken[prompt.category] <= n:
+            kept.append(prompt)
+    return kept

@@ -1,0 +1,13 @@
+"""Gymnasium environments over the specpilot decoding loop."""
+import gymnasium as gym
+
+from .plain_speed import PlainSpeed, measure_plain_speed
+from .spec_env import SpecDecodeEnv
+
+ENV_ID = "specpilot/SpecDecode-v0"
+
+if ENV_ID not in gym.registry:
+    # nondeterministic: the reward is wall-clock speed and the observation holds live hardware counters
+    gym.register(id=ENV_ID, entry_point="env.spec_env:SpecDecodeEnv", nondeterministic=True)
+
+__all__ = ["ENV_ID", "PlainSpeed", "SpecDecodeEnv", "measure_plain_speed"]

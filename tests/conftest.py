@@ -9,6 +9,7 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)  # tiny models: threads only add contention (and CI has 2 cores)
 
 from decoding.loop import start  # noqa: E402
 from decoding.models import Target  # noqa: E402

@@ -1,0 +1,123 @@
+"""The main job: `python scripts/train_policy.py --device cpu` trains, exports and evaluates a policy."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from decoding.config import parse_config
+from decoding.errors import SpecPilotError
+
+
+@dataclass
+class TrainConfig:
+    """Train a PPO draft-length policy for this device on the real decode loop, export and evaluate it."""
+
+    device: str = "auto"
+    """Device to train for: auto | cpu | a100 | h100 | h200 | l4 | ... (must be present on this machine)."""
+    timesteps: int = 0
+    """Env steps of training (0 = the device's value in agents/hyperparams.yaml)."""
+    target: str = "embedded"
+    """Target model: 'embedded' (SmolLM2-135M-Instruct, offline), a hub id, a folder or a .gguf file."""
+    draft: str = "ngram"
+    """Drafter: ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH."""
+    prompts: str | None = None
+    """Prompt JSONL (default: the project's set); its train split trains, its test split evaluates."""
+    track: bool = True
+    """Track the run with W&B (online with WANDB_API_KEY, else offline; sync later with `wandb sync`)."""
+    wandb_project: str = "specpilot"
+    """W&B project name."""
+    seed: int = 0
+    """Seed of PPO and of the env's prompt choice."""
+    resume: bool = False
+    """Continue a killed run from its last checkpoint in OUT/DEVICE/run/checkpoints."""
+    out: str = "policies"
+    """Root folder: the policy goes to OUT/DEVICE/policy.{json,safetensors}, the run to OUT/DEVICE/run/."""
+    hp: list[str] = field(default_factory=list)
+    """Hyperparameter override KEY=VALUE (repeatable), e.g. --hp n_steps=128."""
+    eval_per_category: int = 1
+    """Held-out (test split) prompts per category for the final evaluation (0 = skip it)."""
+    eval_max_new_tokens: int = 48
+    """Tokens per prompt in the final evaluation."""
+    dtype: str = "auto"
+    """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+def _torch_device(device_key: str) -> str:
+    if device_key == "cpu":
+        return "cpu"
+    from decoding.hardware import device_key as key_of, gpu_names
+
+    index = next(i for i, name in enumerate(gpu_names()) if key_of(name) == device_key)
+    return f"cuda:{index}"
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    from decoding.benchmark import format_table, run_benchmark, summarize
+    from decoding.hardware import resolve_device
+    from decoding.learned import LearnedK
+    from decoding.models import load_draft, load_target
+    from decoding.policies import HeuristicK, NoSpeculation, StaticK
+    from decoding.prompts import load_prompts, per_category
+    from env import PlainSpeed, SpecDecodeEnv, measure_plain_speed
+
+    from .export import export_policy
+    from .ppo import load_hyperparams, train
+
+    cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
+    device_key, hardware_name = resolve_device(cfg.device)
+    hp = load_hyperparams(device_key, cfg.hp)
+    if cfg.timesteps:
+        hp["timesteps"] = cfg.timesteps
+    k_max = int(hp["k_max"])
+    train_prompts = load_prompts(cfg.prompts, "train")
+    test_prompts = load_prompts(cfg.prompts, "test") if cfg.eval_per_category else []
+    torch_device = _torch_device(device_key)
+    print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
+    target = load_target(cfg.target, cfg.dtype, torch_device)
+    draft = load_draft(cfg.draft, target, cfg.dtype)
+    out = Path(cfg.out) / device_key
+    run_dir = out / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    speed_path = run_dir / "plain_speed.json"
+    if cfg.resume and speed_path.exists():
+        plain_speed = PlainSpeed.load(speed_path)
+    else:
+        plain_speed = measure_plain_speed(target, target.encode(train_prompts[0].text, chat=True))
+        plain_speed.save(speed_path)
+
+    def env_fn():
+        return SpecDecodeEnv(target, draft, train_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
+                             plain_speed=plain_speed)
+
+    run_config = {"device": device_key, "hardware_name": hardware_name, "target": target.name,
+                  "draft": draft.name, **{k: v for k, v in asdict(cfg).items() if k not in ("hp",)}}
+    model, venv = train(env_fn, hp, run_dir, seed=cfg.seed, resume=cfg.resume, track=cfg.track,
+                        wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress)
+    provenance = {"target": target.name, "draft": draft.name, "max_new_tokens": int(hp["max_new_tokens"]),
+                  "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed}
+    meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
+                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
+                              activation=str(hp["activation"]))
+    print(f"specpilot: exported {meta_path} (checked against SB3's actions)", file=sys.stderr)
+    if not test_prompts:
+        return 0
+    held_out = per_category(test_prompts, cfg.eval_per_category)
+    statics = sorted({k for k in (1, 2, 3, 4, 6, k_max) if k <= k_max})
+    policies = {"none": NoSpeculation(), **{f"static:{k}": StaticK(k) for k in statics},
+                "heuristic": HeuristicK(k_max), "learned": LearnedK.load(meta_path, device=device_key)}
+    runs = run_benchmark(target, draft, policies, held_out, cfg.eval_max_new_tokens, 1, progress=cfg.progress)
+    summary = summarize(runs)
+    table = summary["table"]
+    best_static = max((n for n in policies if n.startswith("static:")), key=lambda n: table[n]["overall"]["tokens_per_s"])
+    learned, best = table["learned"]["overall"], table[best_static]["overall"]
+    print(format_table(summary))
+    print(f"learned vs best static ({best_static}): {learned['tokens_per_s'] / best['tokens_per_s']:.3f}x tokens/s; "
+          f"vs heuristic: {learned['tokens_per_s'] / table['heuristic']['overall']['tokens_per_s']:.3f}x; "
+          f"vs plain: {learned['speedup']:.3f}x")
+    (run_dir / "eval.json").write_text(json.dumps({"summary": summary, "best_static": best_static,
+                                                   "prompts": [p.question_id for p in held_out]}, indent=1))
+    return 0

@@ -1,0 +1,82 @@
+"""Export an SB3 PPO policy to the lightweight format `decoding.learned.LearnedK` reads."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoding.errors import SpecPilotError
+from decoding.learned import FORMAT_VERSION, LearnedK
+from decoding.observation import FEATURES
+
+
+def _linear_layers(model) -> list[torch.nn.Linear]:
+    policy = model.policy
+    layers = [m for m in policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)]
+    return layers + [policy.action_net]
+
+
+def _versions() -> dict:
+    import gymnasium
+    import stable_baselines3
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "stable_baselines3": stable_baselines3.__version__,
+            "gymnasium": gymnasium.__version__, "numpy": np.__version__, "python": platform.python_version()}
+
+
+def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
+                  check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
+    """Write policy.safetensors + policy.json; verify LearnedK picks SB3's actions on a batch of observations."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = _linear_layers(model)
+    names = [f"layer{i}" for i in range(len(layers))]
+    weights = {}
+    for name, layer in zip(names, layers):
+        weights[f"{name}.weight"] = layer.weight.detach().cpu().numpy().astype(np.float32)
+        weights[f"{name}.bias"] = layer.bias.detach().cpu().numpy().astype(np.float32)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "features": list(FEATURES),
+        "normalization": {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
+                          "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs)},
+        "activation": activation,
+        "layers": names,
+        "action_to_k": list(range(k_max + 1)),
+        "k_max": k_max,
+        "device": device,
+        "hardware_name": hardware_name,
+        "training_steps": int(model.num_timesteps),
+        "versions": _versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **provenance,
+    }
+    weights_path = out / "policy.safetensors"
+    save_file(weights, str(weights_path))
+    meta_path = out / "policy.json"
+    meta_path.write_text(json.dumps(meta, indent=1))
+    check_export(model, venv, meta_path, device, check_obs)
+    return meta_path
+
+
+def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | None = None, n: int = 512) -> float:
+    """Fraction of observations on which the export agrees with SB3 (must be 1.0, else an error)."""
+    rng = np.random.default_rng(0)
+    std = np.sqrt(venv.obs_rms.var)
+    synthetic = venv.obs_rms.mean + std * rng.standard_normal((n, len(FEATURES)))
+    batch = synthetic if obs is None or len(obs) == 0 else np.concatenate([np.asarray(obs), synthetic])
+    batch = batch.astype(np.float32)
+    sb3_actions, _ = model.predict(venv.normalize_obs(batch), deterministic=True)
+    learned = LearnedK.load(meta_path, device=device)
+    ours = np.argmax(learned.logits(batch), axis=-1)
+    agree = float(np.mean(ours == sb3_actions))
+    if agree < 1.0:
+        raise SpecPilotError(f"export check failed: the exported policy agrees with SB3 on {agree:.1%} of observations")
+    return agree

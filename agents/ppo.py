@@ -1,0 +1,167 @@
+"""PPO per device (stable-baselines3): hyperparameters, tracking, checkpoints, resume."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from stable_baselines3.common.callbacks import BaseCallback
+
+from decoding.errors import SpecPilotError
+
+HYPERPARAMS = Path(__file__).with_name("hyperparams.yaml")
+PPO_KEYS = ("n_steps", "batch_size", "n_epochs", "learning_rate", "gamma", "gae_lambda", "clip_range", "ent_coef", "vf_coef")
+
+
+def load_hyperparams(device: str, overrides: list[str] | dict | None = None, path: str | Path = HYPERPARAMS) -> dict:
+    """The `default` block, then the device's block, then KEY=VALUE overrides (values parsed as YAML)."""
+    data = yaml.safe_load(Path(path).read_text())
+    hp = dict(data["default"])
+    hp.update(data.get(device) or {})
+    if isinstance(overrides, dict):
+        items = overrides.items()
+    else:
+        items = []
+        for text in overrides or []:
+            key, sep, value = text.partition("=")
+            if not sep:
+                raise SpecPilotError(f"--hp expects KEY=VALUE, got '{text}'")
+            items.append((key.strip(), yaml.safe_load(value)))
+    for key, value in items:
+        if key not in hp:
+            raise SpecPilotError(f"unknown hyperparameter '{key}'; known: {', '.join(sorted(hp))}")
+        hp[key] = value
+    return hp
+
+
+def make_vec_env(env_fn, seed: int):
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    venv = DummyVecEnv([lambda: Monitor(env_fn())])
+    venv.seed(seed)
+    return VecNormalize(venv, norm_obs=True, norm_reward=False, clip_obs=10.0, gamma=1.0)
+
+
+def make_ppo(venv, hp: dict, seed: int, tensorboard_log: str | None):
+    import torch
+    from stable_baselines3 import PPO
+
+    activation = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[hp["activation"]]
+    return PPO(
+        "MlpPolicy", venv, seed=seed, verbose=0, tensorboard_log=tensorboard_log, device="cpu",
+        policy_kwargs={"net_arch": list(hp["net_arch"]), "activation_fn": activation},
+        **{k: hp[k] for k in PPO_KEYS},
+    )
+
+
+CHECKPOINT_RE = re.compile(r"ppo_(\d+)_steps\.zip$")
+
+
+def latest_checkpoint(folder: str | Path) -> tuple[Path, Path, int] | None:
+    """(model zip, VecNormalize pickle, steps) of the newest complete checkpoint, if any."""
+    best = None
+    for path in Path(folder).glob("ppo_*_steps.zip"):
+        match = CHECKPOINT_RE.search(path.name)
+        stats = path.with_name(f"ppo_vecnormalize_{match.group(1)}_steps.pkl") if match else None
+        if match and stats.exists() and (best is None or int(match.group(1)) > best[2]):
+            best = (path, stats, int(match.group(1)))
+    return best
+
+
+class SpecMetricsCallback(BaseCallback):
+    """Logs speculative-decoding metrics (per step and per episode) to the SB3 logger (and so to W&B)."""
+
+    def __init__(self, every: int = 64):
+        super().__init__()
+        self.every = every
+        self.window: list[dict] = []
+
+    def _on_step(self) -> bool:
+        for info in self.locals.get("infos", []):
+            self.window.append(info)
+            episode = info.get("spec_episode")
+            if episode:
+                for key in ("tokens_per_s", "speedup", "mean_k", "accept_rate"):
+                    self.logger.record_mean(f"episode/{key}", episode[key])
+                self.logger.record_mean(f"speedup_by_category/{episode['category']}", episode["speedup"])
+        if len(self.window) >= self.every:
+            w = self.window
+            drafted = sum(i["k"] for i in w)
+            self.logger.record("spec/tokens_per_s", float(np.mean([i["tokens_per_s"] for i in w])))
+            self.logger.record("spec/mean_k", drafted / len(w))
+            self.logger.record("spec/accept_rate", sum(i["accepted"] for i in w) / drafted if drafted else 0.0)
+            self.window = []
+        return True
+
+
+def start_tracking(track: bool, project: str, run_dir: Path, config: dict, resume_id: str | None = None):
+    """A W&B run: online with WANDB_API_KEY, offline otherwise (sync later with `wandb sync`); None when off."""
+    if not track:
+        return None
+    import wandb
+
+    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return wandb.init(project=project, dir=str(run_dir), config=config, sync_tensorboard=True, mode=mode,
+                      id=resume_id, resume="allow" if resume_id else None, reinit="finish_previous")
+
+
+def train(
+    env_fn,
+    hp: dict,
+    out_dir: str | Path,
+    seed: int = 0,
+    resume: bool = False,
+    track: bool = False,
+    wandb_project: str = "specpilot",
+    run_config: dict | None = None,
+    progress: bool = True,
+):
+    """Train (or continue) PPO; checkpoints under out_dir/checkpoints. Returns (model, venv)."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
+
+    out_dir = Path(out_dir)
+    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    venv = make_vec_env(env_fn, seed)
+    found = latest_checkpoint(ckpt_dir) if resume else None
+    if resume and found is None:
+        raise SpecPilotError(f"--resume: no checkpoint in {ckpt_dir}")
+    run_id_file = out_dir / "wandb_run_id"
+    resume_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else None
+    run = start_tracking(track, wandb_project, out_dir, {**(run_config or {}), **hp}, resume_id)
+    if run is not None:
+        run_id_file.write_text(run.id)
+    tb_log = str(out_dir / "tensorboard")
+    if found:
+        from stable_baselines3.common.vec_env import VecNormalize
+
+        model_path, stats_path, steps = found
+        venv = VecNormalize.load(str(stats_path), venv.venv)
+        model = PPO.load(str(model_path), env=venv, device="cpu", tensorboard_log=tb_log)
+    else:
+        model = make_ppo(venv, hp, seed, tb_log)
+    callbacks = [
+        CheckpointCallback(save_freq=int(hp["checkpoint_every"]), save_path=str(ckpt_dir), name_prefix="ppo",
+                           save_vecnormalize=True),
+        SpecMetricsCallback(),
+    ]
+    if run is not None:
+        from wandb.integration.sb3 import WandbCallback
+
+        callbacks.append(WandbCallback(verbose=0))
+    remaining = int(hp["timesteps"]) - model.num_timesteps
+    try:
+        if remaining > 0:
+            model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), progress_bar=progress,
+                        reset_num_timesteps=not found, tb_log_name="ppo")
+    finally:
+        if run is not None:
+            run.finish()
+    model.save(str(out_dir / "final_model.zip"))
+    venv.save(str(out_dir / "final_vecnormalize.pkl"))
+    return model, venv

@@ -1,0 +1,118 @@
+"""LearnedK: the exported RL policy, loaded with numpy only (no SB3, no Gymnasium).
+
+Files: `policy.json` (format version, ordered feature names, normalisation, layers, action -> k map,
+device, provenance) and `policy.safetensors` (the MLP weights). The decision is an argmax over the
+logits of a small MLP on the normalised observation: a few microseconds on a CPU.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SpecPilotError
+from .observation import FEATURES
+from .policies import LengthPolicy
+
+FORMAT_VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_policy_path(device_key: str) -> Path:
+    """policies/<device>/policy.json in the working directory, else in the repository."""
+    for root in (Path.cwd(), REPO_ROOT):
+        path = root / "policies" / device_key / "policy.json"
+        if path.exists():
+            return path
+    raise SpecPilotError(
+        f"no learned policy for device '{device_key}' (looked for policies/{device_key}/policy.json); "
+        f"train one with: python scripts/train_policy.py --device {device_key}"
+    )
+
+
+_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
+
+
+class LearnedK(LengthPolicy):
+    def __init__(self, meta: dict, weights: dict[str, np.ndarray], path: str = ""):
+        self.meta, self.path = meta, path
+        self.name = "learned"
+        self.k_max = int(meta["k_max"])
+        self.action_to_k = [int(k) for k in meta["action_to_k"]]
+        norm = meta["normalization"]
+        self.mean = np.asarray(norm["mean"], dtype=np.float64)
+        self.inv_std = 1.0 / np.sqrt(np.asarray(norm["var"], dtype=np.float64) + float(norm["epsilon"]))
+        self.clip = float(norm["clip"])
+        self.act = _ACTIVATIONS[meta["activation"]]
+        self.layers = [(weights[f"{name}.weight"].astype(np.float64), weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None) -> "LearnedK":
+        """Load policy.json (+ policy.safetensors beside it); `path` may be either file or their folder."""
+        from .hardware import resolve_device
+
+        here = device or resolve_device("auto")[0]
+        path = Path(path) if path else default_policy_path(here)
+        if path.is_dir():
+            path = path / "policy.json"
+        if path.suffix == ".safetensors":
+            path = path.with_suffix(".json")
+        if not path.exists():
+            raise SpecPilotError(f"policy file not found: {path}")
+        try:
+            meta = json.loads(path.read_text())
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SpecPilotError(f"corrupt policy file {path}: {exc}") from None
+        version = meta.get("format_version")
+        if version != FORMAT_VERSION:
+            raise SpecPilotError(f"policy {path} has format version {version}; this specpilot reads version {FORMAT_VERSION}")
+        features = meta.get("features")
+        if features != list(FEATURES):
+            missing = sorted(set(FEATURES) - set(features or []))
+            extra = sorted(set(features or []) - set(FEATURES))
+            raise SpecPilotError(
+                f"policy {path} was trained on other observation features (missing {missing[:4]}, unknown {extra[:4]}"
+                f"{', or another order' if not missing and not extra else ''}); retrain it with this version"
+            )
+        if meta.get("device") != here and not allow_device_mismatch:
+            raise SpecPilotError(
+                f"policy {path} was trained on device '{meta.get('device')}' ({meta.get('hardware_name')}), this is "
+                f"'{here}'; retrain with --device {here} or pass --allow-device-mismatch"
+            )
+        weights_path = path.with_suffix(".safetensors")
+        try:
+            from safetensors.numpy import load_file
+
+            weights = load_file(str(weights_path))
+            policy = cls(meta, weights, str(path))
+        except FileNotFoundError:
+            raise SpecPilotError(f"policy weights not found: {weights_path}") from None
+        except (KeyError, ValueError, OSError, Exception) as exc:
+            raise SpecPilotError(f"corrupt or incompatible policy weights {weights_path}: {type(exc).__name__}: {exc}") from None
+        policy._check_shapes()
+        return policy
+
+    def _check_shapes(self) -> None:
+        width = len(FEATURES)
+        for i, (w, b) in enumerate(self.layers):
+            if w.ndim != 2 or w.shape[1] != width or b.shape != (w.shape[0],):
+                raise SpecPilotError(f"policy {self.path}: layer {i} has shape {w.shape}, expected (*, {width})")
+            width = w.shape[0]
+        if width != len(self.action_to_k):
+            raise SpecPilotError(f"policy {self.path}: {width} outputs but {len(self.action_to_k)} actions")
+
+    def logits(self, obs: np.ndarray) -> np.ndarray:
+        """Action logits for one observation (or a batch, shape (n, features))."""
+        x = np.clip((np.asarray(obs, dtype=np.float64) - self.mean) * self.inv_std, -self.clip, self.clip)
+        last = len(self.layers) - 1
+        for i, (w, b) in enumerate(self.layers):
+            x = x @ w.T + b
+            if i < last:
+                x = self.act(x)
+        return x
+
+    def choose_k(self, obs: np.ndarray) -> int:
+        return self.action_to_k[int(np.argmax(self.logits(obs)))]

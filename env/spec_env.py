@@ -1,0 +1,92 @@
+"""SpecDecodeEnv: the real draft-verify loop as a Gymnasium env.
+
+`reset()` picks a prompt with `np_random`, prefills, and returns the observation of the one
+observation builder (`decoding.observation`); `step(action)` runs exactly one `speculative_step` with
+k = action. Reward = tokens of the step / step seconds / plain tokens/s at that context length
+(~ the step's speedup over plain decoding).
+"""
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+from decoding.errors import SpecPilotError
+from decoding.loop import speculative_step, start
+from decoding.observation import ObservationBuilder
+from decoding.policies import DEFAULT_K_MAX
+from decoding.prompts import Prompt, load_prompts
+from decoding.sampling import Sampling
+
+from .plain_speed import PlainSpeed, measure_plain_speed
+
+
+class SpecDecodeEnv(gym.Env):
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        target=None,
+        draft=None,
+        prompts: list[Prompt] | None = None,
+        k_max: int = DEFAULT_K_MAX,
+        max_new_tokens: int = 64,
+        chat: bool = True,
+        sampling: Sampling = Sampling(),
+        plain_speed: PlainSpeed | None = None,
+        observer: ObservationBuilder | None = None,
+    ):
+        super().__init__()
+        if target is None:  # gym.make with no arguments: the embedded pair
+            from decoding.models import load_draft, load_target
+
+            target = load_target("embedded")
+            draft = load_draft("ngram", target)
+        if draft is None:
+            raise SpecPilotError("SpecDecodeEnv needs a draft")
+        self.target, self.draft = target, draft
+        self.prompts = prompts if prompts is not None else load_prompts(split="train")
+        self.k_max, self.max_new_tokens, self.sampling = k_max, max_new_tokens, sampling
+        self._encoded = [target.encode(p.text, chat=chat) for p in self.prompts]
+        self.plain_speed = plain_speed or measure_plain_speed(target, self._encoded[0])
+        self.observer = observer or ObservationBuilder(k_max)
+        self.action_space = gym.spaces.Discrete(k_max + 1)
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
+        self.state = None
+        self.prompt: Prompt | None = None
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        index = int(options["prompt_index"]) if options and "prompt_index" in options else int(self.np_random.integers(len(self.prompts)))
+        self.prompt = self.prompts[index]
+        prompt_ids = self._encoded[index]
+        self.state = start(self.target, self.draft, prompt_ids, self.max_new_tokens, self.sampling,
+                           seed=int(self.np_random.integers(2**31)))
+        self.observer.reset(self.state)
+        self._tokens, self._seconds, self._drafted, self._accepted, self._steps = 0, 0.0, 0, 0, 0
+        return self.observer.build(self.state), {"question_id": self.prompt.question_id, "category": self.prompt.category}
+
+    def step(self, action):
+        if self.state is None or self.state.done:
+            raise SpecPilotError("call reset() before step() (the episode has ended)")
+        step = speculative_step(self.state, int(action))
+        self.observer.push(step)
+        tokens = len(step.new_tokens)
+        seconds = max(step.seconds, 1e-9)
+        reward = (tokens / seconds) / self.plain_speed.tokens_per_s(step.context_len)
+        self._tokens += tokens
+        self._seconds += seconds
+        self._drafted += step.k
+        self._accepted += step.accepted
+        self._steps += 1
+        terminated = self.state.done
+        info = {"k": step.k, "accepted": step.accepted, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        if terminated:
+            plain_seconds = sum(self.plain_speed.step_seconds(self.state.prompt_len + i) for i in range(self._tokens))
+            info["spec_episode"] = {
+                "tokens_per_s": self._tokens / self._seconds,
+                "speedup": plain_seconds / self._seconds,
+                "mean_k": self._drafted / self._steps,
+                "accept_rate": self._accepted / self._drafted if self._drafted else 0.0,
+                "category": self.prompt.category,
+            }
+        return self.observer.build(self.state), float(reward), terminated, False, info
