@@ -1,0 +1,74 @@
+"""The one observation builder and the background hardware monitor."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from conftest import tiny_target
+from decoding.drafters import ModelDrafter
+from decoding.hardware import HW_FEATURES, HardwareMonitor, device_key, resolve_device
+from decoding.loop import generate, speculative_step, start
+from decoding.observation import FEATURES, HISTORY, ObservationBuilder, repetition_rate
+from decoding.policies import parse_policy
+from decoding.errors import SpecPilotError
+
+
+def test_monitor_samples_in_background_and_never_nan():
+    with HardwareMonitor("cpu", interval_s=0.02) as monitor:
+        first = monitor.samples
+        time.sleep(0.2)
+        assert monitor.samples > first + 3
+        values = monitor.read()
+    assert values.shape == (len(HW_FEATURES),) and np.isfinite(values).all()
+    assert values[HW_FEATURES.index("hw_cpu_available")] == 1.0
+    assert values[HW_FEATURES.index("hw_is_gpu")] == 0.0  # this CI machine has no GPU
+
+
+def test_device_names():
+    assert device_key("NVIDIA H200") == "h200"
+    assert device_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert device_key("NVIDIA L4") == "l4"
+    assert device_key("NVIDIA L40S") == "l40s"
+    assert device_key("NVIDIA GH200 480GB") == "gh200"
+    assert resolve_device("cpu")[0] == "cpu"
+    with pytest.raises(SpecPilotError, match="not present"):
+        resolve_device("h100")
+
+
+def test_observation_tracks_acceptance(tiny_pair):
+    target_model, draft_model = tiny_pair
+    draft = ModelDrafter(draft_model, "d", target_model.config.vocab_size)
+    state = start(tiny_target(target_model), draft, [3, 1, 4, 1, 5], 40)
+    observer = ObservationBuilder(k_max=8)
+    observer.reset(state)
+    obs = observer.build(state)
+    assert obs.shape == (len(FEATURES),) and obs.dtype == np.float32 and np.isfinite(obs).all()
+    named = dict(zip(FEATURES, obs))
+    assert named["accept_history_len"] == 0 and named["last_k_frac"] == 0
+    steps = []
+    for k in (4, 0, 6):
+        step = speculative_step(state, k)
+        observer.push(step)
+        steps.append(step)
+    named = dict(zip(FEATURES, observer.build(state)))
+    ratios = [s.accepted / s.k for s in steps if s.k]
+    assert named[f"accept_ratio_{HISTORY}"] == pytest.approx(ratios[-1])
+    assert named[f"accept_ratio_{HISTORY - 1}"] == pytest.approx(ratios[-2])
+    assert named["accept_history_len"] == pytest.approx(2 / HISTORY)
+    assert named["last_k_frac"] == pytest.approx(6 / 8)
+    assert named["plain_ms_log"] > 0 and named["draft_ms_per_token_log"] > 0
+    assert named["context_len_log"] == pytest.approx(np.log1p(state.length), rel=1e-5)
+
+
+def test_repetition_rate():
+    assert repetition_rate(np.array([1, 2, 3, 4])) == 0.0
+    assert repetition_rate(np.array([7, 7, 7, 7])) == 0.75
+
+
+def test_generate_measures_controller_overhead(tiny_pair):
+    target_model, draft_model = tiny_pair
+    draft = ModelDrafter(draft_model, "d", target_model.config.vocab_size)
+    stats = generate(tiny_target(target_model), draft, parse_policy("heuristic"), [1, 2, 3], 30).stats
+    assert 0 < stats.policy_s < stats.seconds
