@@ -186,3 +186,101 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     print(f"results: {path}")
     return 0
+
+
+@dataclass
+class ProfileConfig:
+    """Measure this device's cost profile (draft and verify seconds vs k) and record acceptance traces."""
+
+    device: str = "auto"
+    """Device to profile: auto | cpu | a100 | h100 | h200 | ... (must be present)."""
+    target: str = "embedded"
+    """Target model (see generate --target)."""
+    draft: str = "ngram"
+    """Drafter (see generate --draft)."""
+    target_config: str | None = None
+    """Profile a randomly initialised model of this shape instead of --target's weights: a config.json
+    path or a hub config id (cost does not depend on weight values; no weights need to be fetched)."""
+    draft_config: str | None = None
+    """Same for the draft (a random-init draft LM of this shape)."""
+    k_max: int = DEFAULT_K_MAX
+    """Largest k profiled."""
+    context_lens: str = "64,256,1024"
+    """Comma-separated context lengths to profile at."""
+    repeats: int = 5
+    """Repeats per (context length, k); medians are kept."""
+    traces: bool = True
+    """Also record greedy acceptance traces on the prompt set (real weights only)."""
+    prompts: str | None = None
+    """Prompt JSONL for the traces (default: the project's set, all splits)."""
+    max_new_tokens: int = 64
+    """Tokens per traced prompt."""
+    dtype: str = "auto"
+    """Model dtype: auto | float32 | bfloat16 | float16."""
+    out: str = "profiles"
+    """Folder for <device>.json, <device>.png and the traces."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def profile_main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    from .hardware import resolve_device
+    from .models import ModelDrafter, load_draft, load_target, random_init_target
+    from .oracle import record_trace, save_traces
+    from .profile import profile_costs
+    from .prompts import load_prompts
+    from .plots import plot_profile
+
+    cfg = parse_config(ProfileConfig, argv)
+    device_key, hardware_name = resolve_device(cfg.device)
+    torch_device = "cpu" if device_key == "cpu" else "cuda"
+    try:
+        lens = [int(x) for x in cfg.context_lens.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPilotError(f"--context-lens must be comma-separated integers, got '{cfg.context_lens}'") from None
+    if cfg.target_config:
+        target = random_init_target(cfg.target_config, cfg.dtype, torch_device)
+        prompt_ids = list(range(100, 164))
+    else:
+        target = load_target(cfg.target, cfg.dtype, torch_device)
+        prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
+    if cfg.draft_config:
+        draft_target = random_init_target(cfg.draft_config, cfg.dtype, torch_device)
+        draft = ModelDrafter(draft_target.model, draft_target.name, target.vocab_size)
+    else:
+        draft = load_draft(cfg.draft, target, cfg.dtype)
+    bar = tqdm(total=len(lens) * cfg.repeats * (cfg.k_max + 1), desc="profile", disable=not cfg.progress, file=sys.stderr)
+    profile = profile_costs(target, draft, prompt_ids, cfg.k_max, lens, cfg.repeats, progress=bar)
+    bar.close()
+    profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
+                    "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
+                    "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{device_key}.json"
+    path.write_text(json.dumps(profile, indent=1))
+    plot_profile(profile, out / f"{device_key}.png")
+    print(f"cost profile of {device_key} ({hardware_name}): {path}")
+    for c, row in zip(profile["context_lens"], profile["verify_s"]):
+        print(f"  context {c:>5}: verify ms for k=0..{cfg.k_max}: " + " ".join(f"{1000 * s:.1f}" for s in row)
+              + f" | draft ms/token {1000 * profile['draft_s_per_token'][profile['context_lens'].index(c)]:.2f}")
+    if cfg.traces and not cfg.target_config and not cfg.draft_config:
+        prompts = load_prompts(cfg.prompts, "all")
+        traces = [record_trace(target, draft, target.encode(p.text, chat=True), cfg.max_new_tokens, cfg.k_max,
+                               p.question_id, p.category)
+                  for p in tqdm(prompts, desc="traces", disable=not cfg.progress, file=sys.stderr)]
+        trace_path = out / f"traces-{_slug(draft.name)}.json"
+        save_traces(traces, trace_path, {"target": target.name, "draft": draft.name, "k_max": cfg.k_max,
+                                         "max_new_tokens": cfg.max_new_tokens,
+                                         "splits": {p.question_id: p.split for p in prompts}})
+        rate = sum(min(m, cfg.k_max) for t in traces for m in t.matches) / max(1, sum(t.available[i] for t in traces for i in range(len(t.matches))))
+        print(f"traces of {len(traces)} prompts: {trace_path} (mean matched share of available drafts {rate:.3f})")
+    return 0
+
+
+def _slug(text: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter  # noqa: F401 (re-exported)
 from .errors import SpecPilotError
 
 EMBEDDED_ALIASES = ("embedded", "default", "smollm2-135m")
@@ -219,3 +219,18 @@ def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter
     model, tokenizer, name = load_model(spec, resolve_dtype(dtype, str(target.device)), str(target.device))
     check_same_tokenizer(target, tokenizer, spec)
     return ModelDrafter(model, name, target.vocab_size)
+
+
+def random_init_target(config_spec: str, dtype: str = "auto", device: str = "auto") -> Target:
+    """A randomly initialised model of a given shape (config.json path or hub config id), for cost
+    profiling only: a forward pass costs the same whatever the weights' values."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = resolve_torch_device(device)
+    try:
+        config = AutoConfig.from_pretrained(config_spec)
+    except (OSError, ValueError) as exc:
+        raise SpecPilotError(f"cannot load model config '{config_spec}': {str(exc).strip().splitlines()[0]}") from None
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, device))
+    return Target(model=model.eval(), tokenizer=None, name=f"random-init:{config_spec}", eos_ids=frozenset())

@@ -17,6 +17,7 @@ from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import Prompt, load_prompts
 from decoding.sampling import Sampling
 
+from .episode import EpisodeStats
 from .plain_speed import PlainSpeed, measure_plain_speed
 
 
@@ -34,6 +35,7 @@ class SpecDecodeEnv(gym.Env):
         sampling: Sampling = Sampling(),
         plain_speed: PlainSpeed | None = None,
         observer: ObservationBuilder | None = None,
+        encoded: list[list[int]] | None = None,
     ):
         super().__init__()
         if target is None:  # gym.make with no arguments: the embedded pair
@@ -46,7 +48,8 @@ class SpecDecodeEnv(gym.Env):
         self.target, self.draft = target, draft
         self.prompts = prompts if prompts is not None else load_prompts(split="train")
         self.k_max, self.max_new_tokens, self.sampling = k_max, max_new_tokens, sampling
-        self._encoded = [target.encode(p.text, chat=chat) for p in self.prompts]
+        # token ids of the prompts (given, or encoded here with the target's tokenizer)
+        self._encoded = encoded if encoded is not None else [target.encode(p.text, chat=chat) for p in self.prompts]
         self.plain_speed = plain_speed or measure_plain_speed(target, self._encoded[0])
         self.observer = observer or ObservationBuilder(k_max)
         self.action_space = gym.spaces.Discrete(k_max + 1)
@@ -62,7 +65,7 @@ class SpecDecodeEnv(gym.Env):
         self.state = start(self.target, self.draft, prompt_ids, self.max_new_tokens, self.sampling,
                            seed=int(self.np_random.integers(2**31)))
         self.observer.reset(self.state)
-        self._tokens, self._seconds, self._drafted, self._accepted, self._steps = 0, 0.0, 0, 0, 0
+        self.episode = EpisodeStats()
         return self.observer.build(self.state), {"question_id": self.prompt.question_id, "category": self.prompt.category}
 
     def step(self, action):
@@ -72,21 +75,11 @@ class SpecDecodeEnv(gym.Env):
         self.observer.push(step)
         tokens = len(step.new_tokens)
         seconds = max(step.seconds, 1e-9)
-        reward = (tokens / seconds) / self.plain_speed.tokens_per_s(step.context_len)
-        self._tokens += tokens
-        self._seconds += seconds
-        self._drafted += step.k
-        self._accepted += step.accepted
-        self._steps += 1
+        plain_step = self.plain_speed.step_seconds(step.context_len)
+        reward = (tokens / seconds) * plain_step
+        self.episode.add(tokens, seconds, plain_step * tokens, step.k, step.accepted)
         terminated = self.state.done
         info = {"k": step.k, "accepted": step.accepted, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
         if terminated:
-            plain_seconds = sum(self.plain_speed.step_seconds(self.state.prompt_len + i) for i in range(self._tokens))
-            info["spec_episode"] = {
-                "tokens_per_s": self._tokens / self._seconds,
-                "speedup": plain_seconds / self._seconds,
-                "mean_k": self._drafted / self._steps,
-                "accept_rate": self._accepted / self._drafted if self._drafted else 0.0,
-                "category": self.prompt.category,
-            }
+            info["spec_episode"] = self.episode.summary(self.prompt.category)
         return self.observer.build(self.state), float(reward), terminated, False, info

@@ -1,0 +1,187 @@
+"""Acceptance traces, the hindsight-optimal schedule (the oracle) and its replay policy.
+
+With greedy decoding the output is fixed whatever k is, and the draft's proposal at position i
+depends only on the prefix. One pass records, per position i of the target's output:
+  m(i) = how many of the draft's next K tokens match the target's output,
+  a(i) = how many tokens the draft can propose at all (a prompt-lookup draft may have fewer than K),
+plus the draft-side features of the proposal (confidences, entropies, n-gram match length).
+For any policy the step from i with k drafts k' = min(k, a(i)) tokens and accepts min(k', m(i)).
+With a device cost model t(k', context) the minimum-time schedule is the dynamic program
+  T(i) = min_k [ t(k', i) + T(i + min(k', m(i)) + 1) ],   T(n) = 0.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import SpecPilotError
+from .policies import LengthPolicy
+from .sampling import Sampling
+
+
+@dataclass
+class Trace:
+    """Greedy acceptance trace of one prompt."""
+
+    question_id: str
+    category: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    matches: list[int]
+    """m(i) for i = 0 .. len(output) - 1."""
+    available: list[int]
+    """a(i): tokens the draft proposes from position i (<= K)."""
+    confidences: list[list[float]] = field(default_factory=list)
+    entropies: list[list[float]] = field(default_factory=list)
+    match_lens: list[int] = field(default_factory=list)
+    k_max: int = 8
+
+
+@torch.inference_mode()
+def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_max: int,
+                 question_id: str = "", category: str = "") -> Trace:
+    """Plain greedy decoding of the prompt, then the draft's K-token proposal at every position."""
+    from .loop import generate
+    from .policies import NoSpeculation
+
+    output = generate(target, None, NoSpeculation(), prompt_ids, max_new_tokens).token_ids
+    full = torch.tensor(list(prompt_ids) + output, dtype=torch.long, device=target.device)
+    n_prompt = len(prompt_ids)
+    draft.reset(full[:n_prompt])
+    matches, available, confidences, entropies, match_lens = [], [], [], [], []
+    greedy = Sampling()
+    for i in range(len(output)):
+        context = full[: n_prompt + i]
+        proposal = draft.propose(context, k_max, greedy, None)
+        tokens = proposal.tokens.tolist()
+        truth = output[i : i + k_max]
+        m = 0
+        while m < min(len(tokens), len(truth)) and tokens[m] == truth[m]:
+            m += 1
+        matches.append(m)
+        available.append(len(tokens))
+        confidences.append([round(c, 4) for c in proposal.confidences])
+        entropies.append([round(e, 4) for e in proposal.entropies])
+        match_lens.append(proposal.match_len)
+        draft.rollback(n_prompt + i)
+    return Trace(question_id, category, list(prompt_ids), output, matches, available, confidences, entropies, match_lens, k_max)
+
+
+def save_traces(traces: list[Trace], path: str | Path, meta: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"meta": meta, "traces": [asdict(t) for t in traces]}))
+
+
+def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecPilotError(f"trace file not found: {path} (record it with scripts/profile_device.py --traces)")
+    data = json.loads(path.read_text())
+    return [Trace(**t) for t in data["traces"]], data.get("meta", {})
+
+
+class CostModel:
+    """Seconds of one step that drafts k tokens and verifies k + 1, at a context length.
+
+    verify_s[c][k] for each profiled context length c, draft_s_per_token[c]; linear in context.
+    """
+
+    def __init__(self, context_lens: list[int], verify_s: list[list[float]], draft_s_per_token: list[float]):
+        self.context_lens = np.asarray(context_lens, dtype=np.float64)
+        self.verify_s = np.asarray(verify_s, dtype=np.float64)
+        self.draft_s = np.asarray(draft_s_per_token, dtype=np.float64)
+        self.k_max = self.verify_s.shape[1] - 1
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> "CostModel":
+        return cls(profile["context_lens"], profile["verify_s"], profile["draft_s_per_token"])
+
+    def table(self, context_len: int) -> np.ndarray:
+        """Step seconds for k = 0..k_max at this context length."""
+        c = float(context_len)
+        verify = np.array([np.interp(c, self.context_lens, self.verify_s[:, k]) for k in range(self.k_max + 1)])
+        draft = np.interp(c, self.context_lens, self.draft_s)
+        return verify + draft * np.arange(self.k_max + 1)
+
+
+def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None) -> tuple[float, list[int]]:
+    """(minimum total seconds, k chosen at each position of the optimal path)."""
+    k_max = min(k_max if k_max is not None else trace.k_max, cost.k_max, trace.k_max)
+    n = len(trace.output_ids)
+    n_prompt = len(trace.prompt_ids)
+    best = np.zeros(n + 1)
+    choice = np.zeros(n, dtype=np.int64)
+    tables = {}
+    for i in range(n - 1, -1, -1):
+        bucket = (n_prompt + i) // 64
+        if bucket not in tables:
+            tables[bucket] = cost.table(n_prompt + i)
+        t = tables[bucket]
+        top = min(k_max, n - i - 1)
+        best_value, best_k = np.inf, 0
+        for k in range(top + 1):
+            drafted = min(k, trace.available[i])
+            value = t[drafted] + best[i + min(drafted, trace.matches[i]) + 1]
+            if value < best_value - 1e-15:
+                best_value, best_k = value, k
+        best[i], choice[i] = best_value, best_k
+    path, i = [], 0
+    while i < n:
+        k = int(choice[i])
+        path.append(k)
+        i += min(min(k, trace.available[i]), trace.matches[i]) + 1
+    return float(best[0]), path
+
+
+def brute_force_schedule(trace: Trace, cost: CostModel, k_max: int) -> float:
+    """Exhaustive search over every k sequence (tests only: exponential)."""
+    n, n_prompt = len(trace.output_ids), len(trace.prompt_ids)
+
+    def go(i: int) -> float:
+        if i >= n:
+            return 0.0
+        t = cost.table(n_prompt + i)
+        results = []
+        for k in range(min(k_max, n - i - 1) + 1):
+            drafted = min(k, trace.available[i])
+            results.append(t[drafted] + go(i + min(drafted, trace.matches[i]) + 1))
+        return min(results)
+
+    return go(0)
+
+
+class OracleK(LengthPolicy):
+    """Replays the oracle's schedule for a prompt whose trace was recorded (benchmarks only)."""
+
+    name = "oracle"
+
+    def __init__(self, traces: list[Trace], cost: CostModel, k_max: int):
+        self.k_max = k_max
+        self.schedules = {t.question_id: dict(self._positions(t, cost)) for t in traces}
+        self.schedule: dict[int, int] = {}
+        self.position = 0
+
+    def _positions(self, trace: Trace, cost: CostModel):
+        _, path = oracle_schedule(trace, cost, self.k_max)
+        i = 0
+        for k in path:
+            yield i, k
+            i += min(min(k, trace.available[i]), trace.matches[i]) + 1
+
+    def prepare(self, question_id: str) -> None:
+        if question_id not in self.schedules:
+            raise SpecPilotError(f"oracle: no trace recorded for prompt '{question_id}'")
+        self.schedule = self.schedules[question_id]
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def choose_k(self, obs) -> int:
+        return self.schedule.get(self.position, 0)
+
+    def update(self, step) -> None:
+        self.position += len(step.new_tokens)

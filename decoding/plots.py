@@ -1,0 +1,65 @@
+"""PNG plots: a device's cost curve and a benchmark's speedups."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_profile(profile: dict, path: str | Path) -> None:
+    """Step cost vs k (verify pass and verify + k draft tokens), one line per context length."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ks = profile["k"]
+    for c, row, draft in zip(profile["context_lens"], profile["verify_s"], profile["draft_s_per_token"]):
+        line, = ax.plot(ks, [1000 * s for s in row], marker="o", label=f"verify, context {c}")
+        ax.plot(ks, [1000 * (s + draft * k) for k, s in zip(ks, row)], ls="--", color=line.get_color(),
+                label=f"draft + verify, context {c}")
+    ax.set_xlabel("k (drafted tokens verified in one target pass)")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"{profile.get('device', '?')} ({profile.get('hardware_name', '')}): step cost vs k\n"
+                 f"target {profile.get('target', '')[:40]}, draft {profile.get('draft')}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_benchmark(summary: dict, runs, path: str | Path) -> None:
+    """Left: speedup over plain per category per policy. Right: histogram of the k each policy chose."""
+    import numpy as np
+
+    plt = _pyplot()
+    policies = [p for p in summary["policies"] if p != "none"]
+    cats = summary["categories"] + ["overall"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    width = 0.8 / max(1, len(policies))
+    x = np.arange(len(cats))
+    for j, policy in enumerate(policies):
+        row = summary["table"][policy]
+        ax1.bar(x + j * width, [row[c]["speedup"] if c in row else 0 for c in cats], width, label=policy)
+    ax1.axhline(1.0, color="black", lw=0.8)
+    ax1.set_xticks(x + width * (len(policies) - 1) / 2, cats, rotation=30, ha="right", fontsize=8)
+    ax1.set_ylabel("speedup over plain decoding")
+    ax1.legend(fontsize=7, ncol=2)
+    ax1.grid(axis="y", alpha=0.3)
+    for policy in policies:
+        counts = Counter(k for r in runs if r.policy == policy for k in r.ks)
+        total = sum(counts.values()) or 1
+        ks = sorted(counts)
+        ax2.plot(ks, [counts[k] / total for k in ks], marker="o", label=policy)
+    ax2.set_xlabel("k chosen (drafted)")
+    ax2.set_ylabel("share of steps")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+"""ReplayEnv: the real env's spaces, driven by recorded acceptance traces and a device cost profile.
+
+Greedy decoding makes acceptance independent of the schedule (see decoding/oracle.py), so a step
+from position i with action k drafts k' = min(k, a(i)) tokens and accepts min(k', m(i)); its time is
+the device's profiled step cost t(k', context) times log-normal noise of the measured size. The one
+observation builder sees the same kind of StepResult as in the real loop, so a policy pre-trained
+here runs unchanged on the real env. Thousands of times faster than the real loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+
+from decoding.errors import SpecPilotError
+from decoding.loop import StepResult
+from decoding.observation import ObservationBuilder
+from decoding.oracle import CostModel, Trace
+
+from .episode import EpisodeStats
+
+
+class FixedMonitor:
+    """Hardware counters as recorded with the profile (replay has no live hardware to read)."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = np.asarray(values, dtype=np.float32)
+
+    def read(self) -> np.ndarray:
+        return self.values
+
+
+@dataclass
+class ReplayState:
+    buffer: np.ndarray
+    length: int
+    prompt_len: int
+    max_new_tokens: int
+    done: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - (self.length - self.prompt_len)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.buffer[self.prompt_len : self.length].tolist()
+
+
+class ReplayEnv(gym.Env):
+    metadata = {"render_modes": []}
+
+    def __init__(self, traces: list[Trace], cost: CostModel, k_max: int = 8, noise: float = 0.05,
+                 hardware: np.ndarray | None = None, max_new_tokens: int | None = None, draft_share: float | None = None):
+        super().__init__()
+        if not traces:
+            raise SpecPilotError("ReplayEnv needs at least one trace")
+        if cost.k_max < k_max:
+            raise SpecPilotError(f"the cost profile covers k <= {cost.k_max}, the env needs k_max = {k_max}")
+        self.traces, self.cost, self.k_max, self.noise = traces, cost, k_max, noise
+        self.max_new_tokens = max_new_tokens
+        from decoding.hardware import HW_FEATURES
+
+        monitor = FixedMonitor(hardware if hardware is not None else np.zeros(len(HW_FEATURES), dtype=np.float32))
+        self.observer = ObservationBuilder(k_max, monitor=monitor)
+        self.action_space = gym.spaces.Discrete(k_max + 1)
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
+        self._tables: dict[int, np.ndarray] = {}
+        self._draft: dict[int, float] = {}
+        self.state: ReplayState | None = None
+
+    def _table(self, context_len: int) -> tuple[np.ndarray, float]:
+        bucket = context_len // 32
+        if bucket not in self._tables:
+            self._tables[bucket] = self.cost.table(bucket * 32 + 16)
+            self._draft[bucket] = float(np.interp(bucket * 32 + 16, self.cost.context_lens, self.cost.draft_s))
+        return self._tables[bucket], self._draft[bucket]
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        index = int(options["trace_index"]) if options and "trace_index" in options else int(self.np_random.integers(len(self.traces)))
+        self.trace = trace = self.traces[index]
+        n = len(trace.output_ids) if self.max_new_tokens is None else min(self.max_new_tokens, len(trace.output_ids))
+        self.state = ReplayState(np.asarray(trace.prompt_ids + trace.output_ids, dtype=np.int64), len(trace.prompt_ids),
+                                 len(trace.prompt_ids), n)
+        self.observer.reset(self.state)
+        self.episode = EpisodeStats()
+        return self.observer.build(self.state), {"question_id": trace.question_id, "category": trace.category}
+
+    def step(self, action):
+        state, trace = self.state, self.trace
+        if state is None or state.done:
+            raise SpecPilotError("call reset() before step() (the episode has ended)")
+        i = state.length - state.prompt_len
+        k = max(0, min(int(action), state.remaining - 1))
+        drafted = min(k, trace.available[i])
+        accepted = min(drafted, trace.matches[i])
+        table, draft_per_token = self._table(state.length)
+        noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
+        seconds = table[drafted] * noise
+        draft_s = min(draft_per_token * drafted * noise, seconds)
+        n_new = min(accepted + 1, state.remaining)
+        new_tokens = state.buffer[state.length : state.length + n_new].tolist()
+        step = StepResult(k=drafted, k_requested=int(action), accepted=accepted, new_tokens=new_tokens,
+                          draft_s=draft_s, verify_s=seconds - draft_s,
+                          confidences=trace.confidences[i][:drafted] if trace.confidences else [],
+                          entropies=trace.entropies[i][:drafted] if trace.entropies else [],
+                          match_len=trace.match_lens[i] if trace.match_lens else 0, context_len=state.length)
+        state.length += n_new
+        state.done = state.remaining <= 0
+        self.observer.push(step)
+        plain = table[0]
+        reward = (n_new / seconds) * plain
+        self.episode.add(n_new, seconds, plain * n_new, drafted, accepted)
+        info = {"k": drafted, "accepted": accepted, "tokens": n_new, "seconds": seconds, "tokens_per_s": n_new / seconds}
+        if state.done:
+            info["spec_episode"] = self.episode.summary(trace.category)
+        return self.observer.build(state), float(reward), state.done, False, info

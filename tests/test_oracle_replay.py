@@ -1,0 +1,127 @@
+"""The oracle DP, the replay env and their agreement with the real loop."""
+from __future__ import annotations
+
+import random
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from conftest import tiny_target
+from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.loop import generate
+from decoding.oracle import CostModel, OracleK, Trace, brute_force_schedule, oracle_schedule, record_trace
+from decoding.policies import NoSpeculation, StaticK
+from env import REPLAY_ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
+
+
+def hand_cost(k_max=4):
+    # verify cost nearly flat in k with a bump at k = 1..2 (like the fp32 CPU curve), draft 5 ms/token
+    verify = [[0.070, 0.125, 0.150, 0.130, 0.140], [0.080, 0.135, 0.160, 0.140, 0.150]]
+    return CostModel([64, 1024], [row[: k_max + 1] for row in verify], [0.005, 0.006])
+
+
+def random_trace(rng, n, k_max=4):
+    matches = [rng.randint(0, k_max) for _ in range(n)]
+    available = [rng.choice([k_max, k_max, rng.randint(0, k_max)]) for _ in range(n)]
+    return Trace("t", "c", list(range(10)), list(range(n)), matches, available, k_max=k_max)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_oracle_dp_equals_brute_force(seed):
+    rng = random.Random(seed)
+    trace = random_trace(rng, 9)
+    cost = hand_cost()
+    best, path = oracle_schedule(trace, cost, 4)
+    assert best == pytest.approx(brute_force_schedule(trace, cost, 4))
+    # the returned path really costs `best`
+    total, i = 0.0, 0
+    for k in path:
+        drafted = min(k, trace.available[i])
+        total += cost.table(10 + i)[drafted]
+        i += min(drafted, trace.matches[i]) + 1
+    assert i == 9 and total == pytest.approx(best)
+
+
+def test_oracle_never_worse_than_any_static_k():
+    rng = random.Random(0)
+    cost = hand_cost()
+    for _ in range(20):
+        trace = random_trace(rng, 30)
+        best, _ = oracle_schedule(trace, cost, 4)
+        for k in range(5):
+            total, i = 0.0, 0
+            while i < 30:
+                kk = min(k, 30 - i - 1)
+                drafted = min(kk, trace.available[i])
+                total += cost.table(10 + i)[drafted]
+                i += min(drafted, trace.matches[i]) + 1
+            assert best <= total + 1e-12
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_pair):
+    target_model, draft_model = tiny_pair
+    target = tiny_target(target_model)
+    draft = ModelDrafter(draft_model, "perturbed", target_model.config.vocab_size)
+    prompt = [5, 9, 13, 2, 7, 5, 9]
+    trace = record_trace(target, draft, prompt, 30, 4, "p0", "test")
+    return target, draft, trace
+
+
+def test_trace_is_the_plain_output(recorded):
+    target, _, trace = recorded
+    assert trace.output_ids == generate(target, None, NoSpeculation(), trace.prompt_ids, 30).token_ids
+    assert 0 < sum(trace.matches) < 4 * len(trace.matches)
+
+
+def test_replay_env_matches_real_env(recorded):
+    target, draft, trace = recorded
+    from decoding.prompts import Prompt
+
+    real = SpecDecodeEnv(target, draft, [Prompt("p0", "test", "unused")], k_max=4, max_new_tokens=30,
+                         plain_speed=PlainSpeed([1, 100], [0.001, 0.001]), encoded=[trace.prompt_ids])
+    replay = ReplayEnv([trace], hand_cost(), k_max=4, noise=0.0)
+    real.reset(seed=0)
+    replay.reset(seed=0)
+    rng = np.random.default_rng(4)
+    done = False
+    while not done:
+        action = int(rng.integers(0, 5))
+        _, _, done, _, info_real = real.step(action)
+        _, _, done_replay, _, info_replay = replay.step(action)
+        assert (info_real["k"], info_real["accepted"], info_real["tokens"]) == \
+               (info_replay["k"], info_replay["accepted"], info_replay["tokens"])
+        assert done == done_replay
+    assert replay.state.generated == real.state.generated == trace.output_ids
+
+
+def test_replay_env_checkers(recorded):
+    from gymnasium.utils.env_checker import check_env
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+    _, _, trace = recorded
+    check_env(gym.make(REPLAY_ENV_ID, traces=[trace], cost=hand_cost(), k_max=4), skip_render_check=True)
+    sb3_check_env(ReplayEnv([trace], hand_cost(), k_max=4), warn=True)
+
+
+def test_oracle_policy_replays_its_schedule(recorded):
+    target, draft, trace = recorded
+    cost = hand_cost()
+    oracle = OracleK([trace], cost, 4)
+    oracle.prepare("p0")
+    result = generate(target, draft, oracle, trace.prompt_ids, 30)
+    assert result.token_ids == trace.output_ids
+    best, path = oracle_schedule(trace, cost, 4)
+    assert [s.k_requested for s in result.steps] == path
+
+
+def test_ngram_trace_available_counts():
+    trace_draft = NgramDrafter(2)
+    import torch
+
+    context = torch.tensor([1, 2, 3, 4, 1, 2])
+    tokens, n = trace_draft.lookup(context, 4)
+    assert tokens.tolist() == [3, 4, 1, 2] and n == 2
+    tokens, n = trace_draft.lookup(torch.tensor([1, 2, 3]), 4)
+    assert tokens.tolist() == [] and n == 0
