@@ -6,6 +6,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from decoding.config import parse_config
 from decoding.errors import SpecPilotError
 
@@ -22,6 +24,13 @@ class TrainConfig:
     """Target model: 'embedded' (SmolLM2-135M-Instruct, offline), a hub id, a folder or a .gguf file."""
     draft: str = "ngram"
     """Drafter: ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH."""
+    env: str = "auto"
+    """real | replay | both (pre-train on the replay env, fine-tune on the real loop) | auto (both when a
+    cost profile and traces exist for this device and draft, else real)."""
+    profile: str | None = None
+    """Cost profile for the replay env (default: profiles/DEVICE.json, from scripts/profile_device.py)."""
+    traces: str | None = None
+    """Acceptance traces for the replay env (default: profiles/traces-DRAFT.json)."""
     prompts: str | None = None
     """Prompt JSONL (default: the project's set); its train split trains, its test split evaluates."""
     track: bool = True
@@ -53,6 +62,49 @@ def _torch_device(device_key: str) -> str:
 
     index = next(i for i, name in enumerate(gpu_names()) if key_of(name) == device_key)
     return f"cuda:{index}"
+
+
+def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
+    from decoding.cli import _slug
+
+    return (Path(cfg.profile or f"profiles/{device_key}.json"), Path(cfg.traces or f"profiles/traces-{_slug(draft_name)}.json"))
+
+
+def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
+    if cfg.env not in ("auto", "real", "replay", "both"):
+        raise SpecPilotError(f"--env must be auto, real, replay or both, got '{cfg.env}'")
+    if cfg.env != "auto":
+        return cfg.env
+    profile, traces = _default_paths(cfg, device_key, draft_name)
+    return "both" if profile.exists() and traces.exists() else "real"
+
+
+def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
+                   max_new_tokens: int, torch_device: str):
+    from decoding.oracle import CostModel, load_traces
+    from env import ReplayEnv
+
+    profile_path, traces_path = _default_paths(cfg, device_key, draft_name)
+    if not profile_path.exists():
+        raise SpecPilotError(f"no cost profile {profile_path}; run: python scripts/profile_device.py --device {device_key}")
+    profile = json.loads(profile_path.read_text())
+    if profile.get("device") != device_key:
+        raise SpecPilotError(f"cost profile {profile_path} is for device '{profile.get('device')}', not '{device_key}'")
+    traces, meta = load_traces(traces_path)
+    if meta.get("draft") != draft_name:
+        raise SpecPilotError(f"traces {traces_path} were recorded with draft '{meta.get('draft')}', not '{draft_name}'")
+    traces = [t for t in traces if t.question_id in train_ids]  # never pre-train on the test split
+    if not traces:
+        raise SpecPilotError(f"traces {traces_path} hold none of the training prompts")
+    cost = CostModel.from_profile(profile)
+    # hardware counters as seen while decoding on this device (recorded with the profile, else live now)
+    hardware = profile.get("hardware")
+    if hardware is None:
+        from decoding.hardware import shared_monitor
+
+        hardware = shared_monitor(torch_device).read().tolist()
+    return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)),
+                             hardware=np.asarray(hardware, dtype=np.float32), max_new_tokens=max_new_tokens)
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -93,9 +145,19 @@ def train_main(argv: list[str] | None = None) -> int:
         return SpecDecodeEnv(target, draft, train_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
                              plain_speed=plain_speed)
 
+    phases = []
+    mode = _env_mode(cfg, device_key, draft.name)
+    if mode in ("replay", "both"):
+        replay_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
+                                   int(hp["max_new_tokens"]), torch_device)
+        phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), int(hp["replay_checkpoint_every"])))
+    if mode in ("real", "both"):
+        phases.append(("real", env_fn, int(hp["timesteps"]), int(hp["checkpoint_every"])))
+    print(f"specpilot: env {mode}: " + ", ".join(f"{n} {s} steps" for n, _, s, _ in phases), file=sys.stderr)
+
     run_config = {"device": device_key, "hardware_name": hardware_name, "target": target.name,
                   "draft": draft.name, **{k: v for k, v in asdict(cfg).items() if k not in ("hp",)}}
-    model, venv = train(env_fn, hp, run_dir, seed=cfg.seed, resume=cfg.resume, track=cfg.track,
+    model, venv = train(phases, hp, run_dir, seed=cfg.seed, resume=cfg.resume, track=cfg.track,
                         wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress)
     provenance = {"target": target.name, "draft": draft.name, "max_new_tokens": int(hp["max_new_tokens"]),
                   "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import yaml
@@ -110,7 +110,7 @@ def start_tracking(track: bool, project: str, run_dir: Path, config: dict, resum
 
 
 def train(
-    env_fn,
+    phases: list[tuple[str, Callable, int, int]],
     hp: dict,
     out_dir: str | Path,
     seed: int = 0,
@@ -120,14 +120,20 @@ def train(
     run_config: dict | None = None,
     progress: bool = True,
 ):
-    """Train (or continue) PPO; checkpoints under out_dir/checkpoints. Returns (model, venv)."""
+    """Train (or continue) one PPO model through phases of (name, env_fn, env steps, checkpoint every).
+
+    E.g. [("replay", ..., 50000, 10000), ("real", ..., 2048, 512)]: pre-train on the replay env, then
+    fine-tune on the real loop; the observation normalisation carries over. Checkpoints go to
+    out_dir/checkpoints; with `resume` the newest one is loaded and training continues in its phase.
+    Returns (model, venv of the last phase).
+    """
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
+    from stable_baselines3.common.vec_env import VecNormalize
 
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    venv = make_vec_env(env_fn, seed)
     found = latest_checkpoint(ckpt_dir) if resume else None
     if resume and found is None:
         raise SpecPilotError(f"--resume: no checkpoint in {ckpt_dir}")
@@ -137,31 +143,41 @@ def train(
     if run is not None:
         run_id_file.write_text(run.id)
     tb_log = str(out_dir / "tensorboard")
-    if found:
-        from stable_baselines3.common.vec_env import VecNormalize
-
-        model_path, stats_path, steps = found
-        venv = VecNormalize.load(str(stats_path), venv.venv)
-        model = PPO.load(str(model_path), env=venv, device="cpu", tensorboard_log=tb_log)
-    else:
-        model = make_ppo(venv, hp, seed, tb_log)
-    callbacks = [
-        CheckpointCallback(save_freq=int(hp["checkpoint_every"]), save_path=str(ckpt_dir), name_prefix="ppo",
-                           save_vecnormalize=True),
-        SpecMetricsCallback(),
-    ]
-    if run is not None:
-        from wandb.integration.sb3 import WandbCallback
-
-        callbacks.append(WandbCallback(verbose=0))
-    remaining = int(hp["timesteps"]) - model.num_timesteps
+    model, venv, done = None, None, 0
     try:
-        if remaining > 0:
-            model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), progress_bar=progress,
-                        reset_num_timesteps=not found, tb_log_name="ppo")
+        for name, env_fn, steps, every in phases:
+            end = done + steps
+            if found and found[2] >= end:  # this phase finished before the checkpoint
+                done = end
+                continue
+            fresh = make_vec_env(env_fn, seed)
+            if model is None and found:
+                venv = VecNormalize.load(str(found[1]), fresh.venv)
+                model = PPO.load(str(found[0]), env=venv, device="cpu", tensorboard_log=tb_log)
+            elif model is None:
+                venv = fresh
+                model = make_ppo(venv, hp, seed, tb_log)
+            else:  # next phase: same policy and observation statistics, new env
+                fresh.obs_rms = venv.obs_rms
+                venv = fresh
+                model.set_env(venv)
+            callbacks = [CheckpointCallback(save_freq=int(every), save_path=str(ckpt_dir), name_prefix="ppo",
+                                            save_vecnormalize=True), SpecMetricsCallback()]
+            if run is not None:
+                from wandb.integration.sb3 import WandbCallback
+
+                callbacks.append(WandbCallback(verbose=0))
+            remaining = end - model.num_timesteps
+            if remaining > 0:
+                model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), progress_bar=progress,
+                            reset_num_timesteps=model.num_timesteps == 0, tb_log_name=f"ppo")
+            done = end
     finally:
         if run is not None:
             run.finish()
+    if model is None:  # resumed after the last phase had finished: load its final checkpoint
+        venv = VecNormalize.load(str(found[1]), make_vec_env(phases[-1][1], seed).venv)
+        model = PPO.load(str(found[0]), env=venv, device="cpu")
     model.save(str(out_dir / "final_model.zip"))
     venv.save(str(out_dir / "final_vecnormalize.pkl"))
     return model, venv

@@ -64,6 +64,8 @@ def run_benchmark(
         for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
             shift = (r + i) % len(names)
             for name in names[shift:] + names[:shift]:
+                if hasattr(policies[name], "prepare"):  # the oracle replays this prompt's schedule
+                    policies[name].prepare(prompt.question_id)
                 observer = observer_factory(policies[name]) if observer_factory else None
                 result = generate(target, draft if policies[name].k_max > 0 else None, policies[name], ids,
                                   max_new_tokens, sampling, seed=r, observer=observer)
@@ -108,13 +110,19 @@ def summarize(runs: list[Run], greedy: bool = True) -> dict:
                 "overhead_frac": sum(r.policy_s for r in group) / sum(r.seconds for r in group),
                 "lossless": all(by_key[k][0].token_ids == plain_ids[k[1]] for k in keys) if greedy else None,
             }
+    if "oracle" in table:
+        for policy in policies:
+            for category, row in table[policy].items():
+                row["fraction_of_oracle"] = row["speedup"] / table["oracle"][category]["speedup"]
     return {"policies": policies, "categories": categories, "table": table}
 
 
 def format_table(summary: dict) -> str:
     """A fixed-width table: one row per policy, overall columns then speedup per category."""
     cats = summary["categories"]
+    oracle = "oracle" in summary["table"]
     head = f"{'policy':<16}{'tok/s':>8}{'speedup':>9}{'acc.rate':>9}{'mean k':>8}{'mean acc':>9}{'ovh%':>6}{'lossless':>9}"
+    head += f"{'/oracle':>8}" if oracle else ""
     head += "".join(f"{c[:11]:>12}" for c in cats)
     lines = [head, "-" * len(head)]
     for policy in summary["policies"]:
@@ -122,6 +130,7 @@ def format_table(summary: dict) -> str:
         o = row["overall"]
         line = (f"{policy:<16}{o['tokens_per_s']:>8.2f}{o['speedup']:>8.3f}x{o['accept_rate']:>9.3f}{o['mean_k']:>8.2f}"
                 f"{o['mean_accepted']:>9.2f}{100 * o['overhead_frac']:>6.2f}{str(o['lossless']):>9}")
+        line += f"{o['fraction_of_oracle']:>8.3f}" if oracle else ""
         line += "".join(f"{row[c]['speedup']:>11.3f}x" if c in row else f"{'-':>12}" for c in cats)
         lines.append(line)
     return "\n".join(lines)
@@ -133,3 +142,27 @@ def write_results(out_dir: str | Path, runs: list[Run], summary: dict, meta: dic
     path = out / "results.json"
     path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
     return path
+
+
+def markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> str:
+    """A report page: how it was made, the overall table, speedup per category, the plot."""
+    t = summary["table"]
+    oracle = "oracle" in t
+    lines = [f"# Benchmark: {meta.get('hardware')} ({meta.get('device')})", "",
+             f"Regenerate with: `{command}`", "",
+             f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split) "
+             f"x {meta.get('repeats')} repeats; {meta.get('max_new_tokens')} new tokens; greedy; same process, interleaved, medians.", "",
+             "| policy | tokens/s | speedup | accept rate | mean k | mean accepted | overhead % | lossless |" + (" fraction of oracle |" if oracle else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if oracle else "")]
+    for policy in summary["policies"]:
+        o = t[policy]["overall"]
+        lines.append(f"| {policy} | {o['tokens_per_s']:.2f} | {o['speedup']:.3f}x | {o['accept_rate']:.3f} | {o['mean_k']:.2f} | "
+                     f"{o['mean_accepted']:.2f} | {100 * o['overhead_frac']:.2f} | {o['lossless']} |"
+                     + (f" {o['fraction_of_oracle']:.3f} |" if oracle else ""))
+    cats = summary["categories"]
+    lines += ["", "Speedup over plain decoding per category:", "", "| policy | " + " | ".join(cats) + " |",
+              "|---|" + "---|" * len(cats)]
+    for policy in summary["policies"]:
+        lines.append(f"| {policy} | " + " | ".join(f"{t[policy][c]['speedup']:.3f}x" for c in cats) + " |")
+    lines += ["", f"![speedup per category and chosen k]({plot_name})", ""]
+    return "\n".join(lines)

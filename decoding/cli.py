@@ -83,7 +83,10 @@ def generate_main(argv: list[str] | None = None) -> int:
         raise SpecPilotError(f"--k-max must be >= 0, got {cfg.k_max}")
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, cfg.dtype, cfg.device)
-    policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch)
+    from .hardware import device_of
+
+    policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch,
+                          device=device_of(str(target.device))[0])
     draft = load_draft(cfg.draft, target, cfg.dtype) if policy.k_max > 0 else None
     prompt_ids = target.encode(cfg.prompt, chat=cfg.chat)
     window = target.context_window
@@ -136,7 +139,13 @@ class BenchmarkConfig:
     allow_device_mismatch: bool = False
     """Let a learned policy trained on another device run."""
     out: str = "runs/benchmark"
-    """Folder for results.json."""
+    """Folder for results.json and benchmark.png."""
+    report: str | None = None
+    """Also write a markdown report here (e.g. reports/cpu.md; the plot and JSON are copied beside it)."""
+    profile: str | None = None
+    """Cost profile for the oracle (default: profiles/DEVICE.json)."""
+    traces: str | None = None
+    """Acceptance traces for the oracle (default: profiles/traces-DRAFT.json)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -156,6 +165,22 @@ def expand_policies(text: str) -> list[str]:
     return names
 
 
+def _oracle(cfg, device_key: str, draft, sampling):
+    from .oracle import CostModel, OracleK, load_traces
+
+    if not sampling.greedy:
+        raise SpecPilotError("the oracle needs greedy decoding (--temperature 0)")
+    profile_path = Path(cfg.profile or f"profiles/{device_key}.json")
+    if not profile_path.exists():
+        raise SpecPilotError(f"oracle: no cost profile {profile_path}; run scripts/profile_device.py --device {device_key}")
+    traces, meta = load_traces(cfg.traces or f"profiles/traces-{_slug(draft.name)}.json")
+    if meta.get("draft") != draft.name:
+        raise SpecPilotError(f"oracle: the traces were recorded with draft '{meta.get('draft')}', not '{draft.name}'")
+    if meta.get("max_new_tokens", 0) < cfg.max_new_tokens:
+        raise SpecPilotError(f"oracle: traces hold {meta.get('max_new_tokens')} tokens per prompt, fewer than --max-new-tokens")
+    return OracleK(traces, CostModel.from_profile(json.loads(profile_path.read_text())), cfg.k_max, cfg.max_new_tokens)
+
+
 def benchmark_main(argv: list[str] | None = None) -> int:
     from .benchmark import format_table, run_benchmark, summarize, write_results
     from .models import load_draft, load_target
@@ -167,20 +192,40 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     names = expand_policies(cfg.policies)
     if "none" not in names:
         names.insert(0, "none")
-    policies = {n: parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch) for n in names}
-    prompts = load_prompts(cfg.prompts, cfg.split)
-    prompts = per_category(prompts, cfg.per_category)
+    from .hardware import device_of
+    from .models import resolve_torch_device
+
+    device_key, hardware_name = device_of(resolve_torch_device(cfg.device))
+    sampling = Sampling(cfg.temperature)
+    prompts = per_category(load_prompts(cfg.prompts, cfg.split), cfg.per_category)
     target = load_target(cfg.target, cfg.dtype, cfg.device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
-    sampling = Sampling(cfg.temperature)
+    policies = {}
+    for n in names:
+        if n == "oracle":
+            policies[n] = _oracle(cfg, device_key, draft, sampling)
+        else:
+            policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key)
     runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)
     summary = summarize(runs, greedy=sampling.greedy)
-    from .hardware import cpu_name, gpu_names
-
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
-            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": str(target.device),
-            "hardware": (gpu_names() or [cpu_name()])[0] if target.device.type == "cuda" else cpu_name()}
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "policies": {n: getattr(p, "path", None) or n for n, p in policies.items()}}
     path = write_results(cfg.out, runs, summary, meta)
+    from .benchmark import markdown_report
+    from .plots import plot_benchmark
+
+    plot_benchmark(summary, runs, Path(cfg.out) / "benchmark.png")
+    if cfg.report:
+        import shutil
+
+        report = Path(cfg.report)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        plot_name = report.with_suffix(".png").name
+        shutil.copy(Path(cfg.out) / "benchmark.png", report.with_suffix(".png"))
+        report.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+        command = "python scripts/benchmark.py " + " ".join(sys.argv[1:]) if argv is None else "benchmark_main(" + repr(argv) + ")"
+        report.write_text(markdown_report(summary, meta, plot_name, command))
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) x {cfg.repeats} | "
           f"{cfg.max_new_tokens} new tokens | {meta['hardware']}")
     print(format_table(summary))

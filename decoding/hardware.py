@@ -258,3 +258,15 @@ def shared_monitor(device: str = "cpu") -> HardwareMonitor:
     if key not in _MONITORS:
         _MONITORS[key] = HardwareMonitor(key).start()
     return _MONITORS[key]
+
+
+def device_of(torch_device: str) -> tuple[str, str]:
+    """(device key, hardware name) of a torch device string ('cpu', 'cuda', 'cuda:1')."""
+    torch_device = str(torch_device)
+    if not torch_device.startswith("cuda"):
+        return "cpu", cpu_name()
+    names = gpu_names()
+    index = int(torch_device.partition(":")[2] or 0)
+    if index >= len(names):
+        raise SpecPilotError(f"torch device {torch_device} has no NVML entry (found {len(names)} GPUs)")
+    return device_key(names[index]), names[index]

@@ -154,13 +154,24 @@ def brute_force_schedule(trace: Trace, cost: CostModel, k_max: int) -> float:
     return go(0)
 
 
+def truncate(trace: Trace, n: int) -> Trace:
+    """The trace of the first n output tokens (a shorter generation budget)."""
+    if len(trace.output_ids) <= n:
+        return trace
+    return Trace(trace.question_id, trace.category, trace.prompt_ids, trace.output_ids[:n],
+                 [min(m, n - i - 1) for i, m in enumerate(trace.matches[:n])], trace.available[:n],
+                 trace.confidences[:n], trace.entropies[:n], trace.match_lens[:n], trace.k_max)
+
+
 class OracleK(LengthPolicy):
     """Replays the oracle's schedule for a prompt whose trace was recorded (benchmarks only)."""
 
     name = "oracle"
 
-    def __init__(self, traces: list[Trace], cost: CostModel, k_max: int):
+    def __init__(self, traces: list[Trace], cost: CostModel, k_max: int, max_new_tokens: int | None = None):
         self.k_max = k_max
+        if max_new_tokens is not None:
+            traces = [truncate(t, max_new_tokens) for t in traces]
         self.schedules = {t.question_id: dict(self._positions(t, cost)) for t in traces}
         self.schedule: dict[int, int] = {}
         self.position = 0

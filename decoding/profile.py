@@ -6,6 +6,7 @@ draft's own cost per token is timed by calling its `propose`. Medians of repeats
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -45,9 +46,13 @@ def filler_ids(prompt_ids: list[int], length: int) -> list[int]:
 def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_lens=(64, 256, 1024),
                   repeats: int = 5, progress=None) -> dict:
     """{context_lens, k, verify_s[c][k], draft_s_per_token[c], noise}: medians over `repeats`."""
+    target = dataclasses.replace(target, eos_ids=frozenset())  # an EOS must not end a timing sequence
     window = target.context_window or 10**9
     lens = [c for c in context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
-    verify, draft_cost, spreads = [], [], []
+    from .hardware import shared_monitor
+
+    monitor = shared_monitor(str(target.device))
+    verify, draft_cost, spreads, hardware = [], [], [], []
     randomizer = RandomDrafter(target.vocab_size)
     greedy = Sampling()
     device = target.device
@@ -61,6 +66,7 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
             order = order[r % len(order):] + order[: r % len(order)]
             for k in order:
                 samples[k].append(speculative_step(state, k).verify_s)
+                hardware.append(monitor.read())
                 if progress:
                     progress.update()
         row = [statistics.median(samples[k]) for k in range(k_max + 1)]
@@ -68,7 +74,8 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
         spreads += [float(np.std(np.log(samples[k]))) for k in range(k_max + 1)]
         draft_cost.append(_draft_cost(draft, state, k_max, repeats, greedy, device) if draft is not None else 0.0)
     return {"context_lens": lens, "k": list(range(k_max + 1)), "verify_s": verify, "draft_s_per_token": draft_cost,
-            "noise": float(np.median(spreads)) if spreads else 0.0, "repeats": repeats}
+            "noise": float(np.median(spreads)) if spreads else 0.0, "repeats": repeats,
+            "hardware": np.mean(hardware, axis=0).round(4).tolist() if hardware else None}
 
 
 def _draft_cost(draft, state, k_max: int, repeats: int, sampling: Sampling, device) -> float:
