@@ -211,3 +211,55 @@ def test_learned_decision_is_fast(trained):
         policy.choose_k(obs)
     per_call = (time.perf_counter() - t0) / 2000
     assert per_call < 200e-6  # the target is < 50 us; loose here so a loaded CI machine does not flake
+
+
+def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
+    """--env both: pre-train on the replay env (profile + traces), fine-tune on the real loop."""
+    from agents.cli import train_main
+    from decoding.cli import profile_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": s,
+                                           "turns": [p.text]}) + "\n"
+                               for p, s in zip(SMALL_PROMPTS, ["train", "train", "test", "train", "test", "train"])))
+    monkeypatch.chdir(tmp_path)
+    assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
+                         "--k-max", "4", "--context-lens", "32,256", "--repeats", "2", "--prompts", str(prompts),
+                         "--max-new-tokens", "12", "--no-progress"]) == 0
+    profile = json.loads((tmp_path / "profiles" / "cpu.json").read_text())
+    assert len(profile["verify_s"]) == 2 and len(profile["verify_s"][0]) == 5 and profile["hardware"]
+    args = train_args(tiny_model_dirs, tmp_path / "policies", 32, "--no-track", "--prompts", str(prompts),
+                      "--hp", "replay_timesteps=256", "--hp", "replay_checkpoint_every=128")
+    assert train_main(args) == 0
+    meta = json.loads((tmp_path / "policies" / "cpu" / "policy.json").read_text())
+    assert meta["training_steps"] == 256 + 32
+    ckpts = sorted(p.name for p in (tmp_path / "policies" / "cpu" / "run" / "checkpoints").glob("ppo_*_steps.zip"))
+    assert "ppo_128_steps.zip" in ckpts and "ppo_288_steps.zip" in ckpts
+
+
+def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, capsys):
+    """Every kind of policy, the oracle included, on tiny models: table, JSON, plot, report."""
+    from decoding.cli import benchmark_main, profile_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": "test",
+                                           "turns": [p.text]}) + "\n" for p in SMALL_PROMPTS[:3]))
+    monkeypatch.chdir(tmp_path)
+    assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
+                         "--k-max", "4", "--context-lens", "32,256", "--repeats", "2", "--prompts", str(prompts),
+                         "--max-new-tokens", "12", "--no-progress"]) == 0
+    capsys.readouterr()
+    code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--prompts", str(prompts),
+                           "--policies", f"none,static:1..2,heuristic,confidence:0.5,learned:{trained / 'cpu'},oracle",
+                           "--k-max", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "bench"),
+                           "--report", str(tmp_path / "reports" / "cpu.md"), "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr().out
+    for name in ["none", "static:1", "static:2", "heuristic", "confidence:0.5", "learned", "oracle", "/oracle"]:
+        assert name in out
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    table = results["summary"]["table"]
+    assert all(table[p]["overall"]["lossless"] for p in table)
+    assert table["oracle"]["overall"]["fraction_of_oracle"] == pytest.approx(1.0)
+    assert (tmp_path / "bench" / "benchmark.png").stat().st_size > 1000
+    assert (tmp_path / "reports" / "cpu.png").exists() and "| oracle |" in (tmp_path / "reports" / "cpu.md").read_text()
