@@ -53,6 +53,9 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None:
         """The first `length` tokens of the context are confirmed; forget any state beyond them."""
 
+    # optional: `peek(context, k) -> (match_len, available)`, what the drafter could propose now without
+    # running a model (the observation builder reads it; prompt-lookup drafters have it for free)
+
 
 def entropy_of(p: torch.Tensor) -> float:
     """Entropy in nats of a probability vector."""
@@ -81,24 +84,41 @@ class NgramDrafter:
             raise SpecPilotError(f"ngram drafter needs 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.name = f"ngram:{max_n}"
+        self._last: tuple[int, int, int] | None = None
 
     def reset(self, prompt: torch.Tensor) -> None:
-        pass
+        self._last = None
 
     def rollback(self, length: int) -> None:
         pass
 
+    def peek(self, context: torch.Tensor, k: int) -> tuple[int, int]:
+        """(matched n-gram length, tokens available to propose) for the current context."""
+        tokens, n = self.lookup(context, k)
+        return n, tokens.shape[0]
+
     def lookup(self, context: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
-        """(continuation of at most k tokens, matched n-gram length); empty when nothing matches."""
+        """(continuation of at most k tokens, matched n-gram length); empty when nothing matches.
+
+        The match for the last context length is kept, so a peek followed by a propose on the same
+        context searches once (within a sequence the context at a given length never changes).
+        """
+        length = context.shape[0]
+        if self._last is None or self._last[0] != length:
+            self._last = (length, *self._search(context))
+        _, start, n = self._last
+        return context[start : start + k], n
+
+    def _search(self, context: torch.Tensor) -> tuple[int, int]:
+        """(start of the continuation, matched n-gram length) of the most recent earlier match."""
         length = context.shape[0]
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             tail = context[length - n :]
             windows = context[: length - 1].unfold(0, n, 1)  # windows that end before the last token
             hits = (windows == tail).all(dim=1).nonzero()
             if hits.numel():
-                start = int(hits[-1]) + n
-                return context[start : start + k], n
-        return context[:0], 0
+                return int(hits[-1]) + n, n
+        return length, 0
 
     def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
         if k <= 0:

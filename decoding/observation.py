@@ -27,6 +27,7 @@ CONTEXT_FEATURES = (
     "draft_confidence_min",
     "draft_entropy_last",
     "ngram_match_len",
+    "draft_available_frac",
     "repetition_rate",
     "batch_size_log",
 )
@@ -117,15 +118,21 @@ class ObservationBuilder:
         v[i + 2] = self.confidence_last
         v[i + 3] = self.confidence_min
         v[i + 4] = self.entropy_last
-        v[i + 5] = self.match_len
-        v[i + 6] = repetition_rate(state.buffer[max(0, state.length - REPETITION_WINDOW) : state.length])
-        v[i + 7] = 0.0  # log(batch size 1)
+        # what the drafter could propose right now (prompt lookup: the current n-gram match), else last step's
+        peek = getattr(getattr(state, "draft", None), "peek", None)
+        if peek is not None:
+            match_len, available = peek(state.context, self.k_max)
+            v[i + 5], v[i + 6] = match_len, available / self.k_max
+        else:
+            v[i + 5], v[i + 6] = self.match_len, 1.0
+        v[i + 7] = repetition_rate(state.buffer[max(0, state.length - REPETITION_WINDOW) : state.length])
+        v[i + 8] = 0.0  # log(batch size 1)
         return v.copy()
 
 
 def repetition_rate(tokens) -> float:
     """Share of the window's tokens that repeat an earlier token of the window (0 = all distinct)."""
-    window = np.asarray(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
+    window = tokens.cpu().numpy() if hasattr(tokens, "cpu") else np.asarray(tokens)
     if window.size < 2:
         return 0.0
     return 1.0 - np.unique(window).size / window.size

@@ -31,13 +31,32 @@ class FixedMonitor:
         return self.values
 
 
+class TracedDraft:
+    """Answers the observation builder's `peek` from the trace, as the live drafter would."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self.state: "ReplayState | None" = None
+
+    def peek(self, context, k: int) -> tuple[int, int]:
+        i = self.state.length - self.state.prompt_len
+        if i >= len(self.trace.available):  # the episode has ended
+            return 0, 0
+        return (self.trace.match_lens[i] if self.trace.match_lens else 0), min(k, self.trace.available[i])
+
+
 @dataclass
 class ReplayState:
     buffer: np.ndarray
     length: int
     prompt_len: int
     max_new_tokens: int
+    draft: TracedDraft | None = None
     done: bool = False
+
+    @property
+    def context(self) -> np.ndarray:
+        return self.buffer[: self.length]
 
     @property
     def remaining(self) -> int:
@@ -83,7 +102,8 @@ class ReplayEnv(gym.Env):
         self.trace = trace = self.traces[index]
         n = len(trace.output_ids) if self.max_new_tokens is None else min(self.max_new_tokens, len(trace.output_ids))
         self.state = ReplayState(np.asarray(trace.prompt_ids + trace.output_ids, dtype=np.int64), len(trace.prompt_ids),
-                                 len(trace.prompt_ids), n)
+                                 len(trace.prompt_ids), n, TracedDraft(trace))
+        self.state.draft.state = self.state
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
         return self.observer.build(self.state), {"question_id": trace.question_id, "category": trace.category}
@@ -117,3 +137,18 @@ class ReplayEnv(gym.Env):
         if state.done:
             info["spec_episode"] = self.episode.summary(trace.category)
         return self.observer.build(state), float(reward), state.done, False, info
+
+
+def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -> float:
+    """Env steps per second of the replay env under random actions (what PPO pre-training gets)."""
+    import time
+
+    rng = np.random.default_rng(seed)
+    actions = rng.integers(0, env.action_space.n, size=steps)
+    env.reset(seed=seed)
+    t0 = time.perf_counter()
+    for action in actions:
+        _, _, done, _, _ = env.step(int(action))
+        if done:
+            env.reset()
+    return steps / (time.perf_counter() - t0)

@@ -75,21 +75,31 @@ def test_trace_is_the_plain_output(recorded):
     assert 0 < sum(trace.matches) < 4 * len(trace.matches)
 
 
-def test_replay_env_matches_real_env(recorded):
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_replay_env_matches_real_env(recorded, kind):
     target, draft, trace = recorded
+    from decoding.observation import FEATURES
     from decoding.prompts import Prompt
+
+    if kind == "ngram":
+        draft = NgramDrafter(2)
+        trace = record_trace(target, draft, [5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9], 30, 4, "p0", "test")
+        assert sum(trace.available) > 0
 
     real = SpecDecodeEnv(target, draft, [Prompt("p0", "test", "unused")], k_max=4, max_new_tokens=30,
                          plain_speed=PlainSpeed([1, 100], [0.001, 0.001]), encoded=[trace.prompt_ids])
     replay = ReplayEnv([trace], hand_cost(), k_max=4, noise=0.0)
-    real.reset(seed=0)
-    replay.reset(seed=0)
+    obs_real, _ = real.reset(seed=0)
+    obs_replay, _ = replay.reset(seed=0)
+    same = [FEATURES.index(f) for f in ("ngram_match_len", "draft_available_frac", "accept_rate_ema", "last_k_frac",
+                                         "context_len_log", "remaining_frac", "repetition_rate")]
     rng = np.random.default_rng(4)
     done = False
     while not done:
+        np.testing.assert_allclose(obs_real[same], obs_replay[same], rtol=1e-5)
         action = int(rng.integers(0, 5))
-        _, _, done, _, info_real = real.step(action)
-        _, _, done_replay, _, info_replay = replay.step(action)
+        obs_real, _, done, _, info_real = real.step(action)
+        obs_replay, _, done_replay, _, info_replay = replay.step(action)
         assert (info_real["k"], info_real["accepted"], info_real["tokens"]) == \
                (info_replay["k"], info_replay["accepted"], info_replay["tokens"])
         assert done == done_replay
