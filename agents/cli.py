@@ -80,7 +80,7 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
 
 
 def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
-                   max_new_tokens: int, torch_device: str):
+                   max_new_tokens: int, torch_device: str, reward: str):
     from decoding.oracle import CostModel, load_traces
     from env import ReplayEnv
 
@@ -104,7 +104,8 @@ def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: in
 
         hardware = shared_monitor(torch_device).read().tolist()
     return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)),
-                             hardware=np.asarray(hardware, dtype=np.float32), max_new_tokens=max_new_tokens)
+                             hardware=np.asarray(hardware, dtype=np.float32), max_new_tokens=max_new_tokens,
+                             reward=reward)
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -143,13 +144,13 @@ def train_main(argv: list[str] | None = None) -> int:
 
     def env_fn():
         return SpecDecodeEnv(target, draft, train_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
-                             plain_speed=plain_speed)
+                             plain_speed=plain_speed, reward=str(hp["reward"]))
 
     phases = []
     mode = _env_mode(cfg, device_key, draft.name)
     if mode in ("replay", "both"):
         replay_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
-                                   int(hp["max_new_tokens"]), torch_device)
+                                   int(hp["max_new_tokens"]), torch_device, str(hp["reward"]))
         phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), int(hp["replay_checkpoint_every"])))
     if mode in ("real", "both"):
         phases.append(("real", env_fn, int(hp["timesteps"]), int(hp["checkpoint_every"])))

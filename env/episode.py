@@ -1,5 +1,24 @@
-"""Per-episode accounting shared by the real and the replay env."""
+"""Per-step reward and per-episode accounting shared by the real and the replay env."""
 from __future__ import annotations
+
+REWARDS = ("saved", "speedup")
+
+
+def step_reward(tokens: int, seconds: float, plain_step_seconds: float, mode: str = "saved") -> float:
+    """The reward of one step, in units of plain decoding steps on this device at this context length.
+
+    "speedup": tokens / seconds / plain tokens-per-second, the step's own speedup. Its sum over an
+    episode grows with the number of steps, so an agent maximising the return learns to take more,
+    slower steps (all-plain decoding scores N on N tokens; a 2x faster schedule scores ~N/2 x 2.x).
+    "saved" (default): tokens - seconds / plain step seconds, the plain steps saved by this step. Its
+    sum over an episode is (plain time - policy time) / plain step time: maximising the return is
+    exactly minimising decode time, and a plain step scores 0.
+    """
+    if mode == "saved":
+        return tokens - seconds / plain_step_seconds
+    if mode == "speedup":
+        return tokens / seconds * plain_step_seconds
+    raise ValueError(f"unknown reward '{mode}'; expected one of {REWARDS}")
 
 
 class EpisodeStats:

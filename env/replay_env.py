@@ -18,7 +18,7 @@ from decoding.loop import StepResult
 from decoding.observation import ObservationBuilder
 from decoding.oracle import CostModel, Trace
 
-from .episode import EpisodeStats
+from .episode import EpisodeStats, step_reward
 
 
 class FixedMonitor:
@@ -71,14 +71,14 @@ class ReplayEnv(gym.Env):
     metadata = {"render_modes": []}
 
     def __init__(self, traces: list[Trace], cost: CostModel, k_max: int = 8, noise: float = 0.05,
-                 hardware: np.ndarray | None = None, max_new_tokens: int | None = None, draft_share: float | None = None):
+                 hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved"):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
         if cost.k_max < k_max:
             raise SpecPilotError(f"the cost profile covers k <= {cost.k_max}, the env needs k_max = {k_max}")
         self.traces, self.cost, self.k_max, self.noise = traces, cost, k_max, noise
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.reward = max_new_tokens, reward
         from decoding.hardware import HW_FEATURES
 
         monitor = FixedMonitor(hardware if hardware is not None else np.zeros(len(HW_FEATURES), dtype=np.float32))
@@ -131,7 +131,7 @@ class ReplayEnv(gym.Env):
         state.done = state.remaining <= 0
         self.observer.push(step)
         plain = table[0]
-        reward = (n_new / seconds) * plain
+        reward = step_reward(n_new, seconds, plain, self.reward)
         self.episode.add(n_new, seconds, plain * n_new, drafted, accepted)
         info = {"k": drafted, "accepted": accepted, "tokens": n_new, "seconds": seconds, "tokens_per_s": n_new / seconds}
         if state.done:

@@ -2,8 +2,9 @@
 
 `reset()` picks a prompt with `np_random`, prefills, and returns the observation of the one
 observation builder (`decoding.observation`); `step(action)` runs exactly one `speculative_step` with
-k = action. Reward = tokens of the step / step seconds / plain tokens/s at that context length
-(~ the step's speedup over plain decoding).
+k = action. The reward is measured against plain decoding on this device at the step's context
+length (see `env.episode.step_reward`): by default the plain steps the step saved; with
+reward="speedup" the step's speedup (tokens / seconds / plain tokens per second).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import Prompt, load_prompts
 from decoding.sampling import Sampling
 
-from .episode import EpisodeStats
+from .episode import EpisodeStats, step_reward
 from .plain_speed import PlainSpeed, measure_plain_speed
 
 
@@ -36,6 +37,7 @@ class SpecDecodeEnv(gym.Env):
         plain_speed: PlainSpeed | None = None,
         observer: ObservationBuilder | None = None,
         encoded: list[list[int]] | None = None,
+        reward: str = "saved",
     ):
         super().__init__()
         if target is None:  # gym.make with no arguments: the embedded pair
@@ -47,7 +49,7 @@ class SpecDecodeEnv(gym.Env):
             raise SpecPilotError("SpecDecodeEnv needs a draft")
         self.target, self.draft = target, draft
         self.prompts = prompts if prompts is not None else load_prompts(split="train")
-        self.k_max, self.max_new_tokens, self.sampling = k_max, max_new_tokens, sampling
+        self.k_max, self.max_new_tokens, self.sampling, self.reward = k_max, max_new_tokens, sampling, reward
         # token ids of the prompts (given, or encoded here with the target's tokenizer)
         self._encoded = encoded if encoded is not None else [target.encode(p.text, chat=chat) for p in self.prompts]
         self.plain_speed = plain_speed or measure_plain_speed(target, self._encoded[0])
@@ -76,7 +78,7 @@ class SpecDecodeEnv(gym.Env):
         tokens = len(step.new_tokens)
         seconds = max(step.seconds, 1e-9)
         plain_step = self.plain_speed.step_seconds(step.context_len)
-        reward = (tokens / seconds) * plain_step
+        reward = step_reward(tokens, seconds, plain_step, self.reward)
         self.episode.add(tokens, seconds, plain_step * tokens, step.k, step.accepted)
         terminated = self.state.done
         info = {"k": step.k, "accepted": step.accepted, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}

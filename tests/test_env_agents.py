@@ -58,7 +58,7 @@ def test_env_episode_equals_plain_decoding(tiny_env_parts):
     while not done:
         action = int(rng.integers(0, 5))
         obs, reward, done, truncated, step_info = env.step(action)
-        assert np.isfinite(obs).all() and reward > 0
+        assert np.isfinite(obs).all() and np.isfinite(reward)
         rewards.append(reward)
         ks.append(step_info["k"])
     target = tiny_env_parts[0]

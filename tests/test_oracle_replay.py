@@ -135,3 +135,22 @@ def test_ngram_trace_available_counts():
     assert tokens.tolist() == [3, 4, 1, 2] and n == 2
     tokens, n = trace_draft.lookup(torch.tensor([1, 2, 3]), 4)
     assert tokens.tolist() == [] and n == 0
+
+
+def test_saved_reward_return_is_time_saved(recorded):
+    """With reward 'saved', an episode's return is exactly (plain time - policy time) / plain step time."""
+    _, _, trace = recorded
+    cost = CostModel([0, 10000], [[0.1, 0.15, 0.16, 0.17, 0.18]] * 2, [0.0, 0.0])  # flat in context
+    for reward in ("saved", "speedup"):
+        env = ReplayEnv([trace], cost, k_max=4, noise=0.0, reward=reward)
+        env.reset(seed=0)
+        done, total, seconds = False, 0.0, 0.0
+        while not done:
+            _, r, done, _, info = env.step(4)
+            total += r
+            seconds += info["seconds"]
+        n = len(trace.output_ids)
+        if reward == "saved":
+            assert total == pytest.approx((0.1 * n - seconds) / 0.1)
+        else:
+            assert total > 0
