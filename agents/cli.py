@@ -152,6 +152,10 @@ def train_main(argv: list[str] | None = None) -> int:
         replay_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
                                    int(hp["max_new_tokens"]), torch_device, str(hp["reward"]))
         phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), int(hp["replay_checkpoint_every"])))
+        from env.replay_env import replay_steps_per_second
+
+        print(f"specpilot: replay env runs {replay_steps_per_second(replay_fn()):,.0f} env steps/s "
+              "(random actions, this process)", file=sys.stderr)
     if mode in ("real", "both"):
         phases.append(("real", env_fn, int(hp["timesteps"]), int(hp["checkpoint_every"])))
     print(f"specpilot: env {mode}: " + ", ".join(f"{n} {s} steps" for n, _, s, _ in phases), file=sys.stderr)

@@ -98,3 +98,17 @@ def test_embedded_target_ngram_lossless(embedded_target):
         result = generate(embedded_target, NgramDrafter(3), parse_policy(policy), prompt, 48)
         assert result.token_ids == reference, policy
         assert result.stats.mean_k > 0
+
+
+def test_self_bf16_draft_lossless(tiny_pair):
+    """--draft self:bf16: a lower-precision copy of the target as draft (high acceptance, no training)."""
+    from decoding.models import load_draft
+
+    target_model, _ = tiny_pair
+    target = tiny_target(target_model)
+    draft = load_draft("self:bf16", target)
+    assert next(draft.model.parameters()).dtype == torch.bfloat16
+    assert next(target_model.parameters()).dtype == torch.float64  # the target itself is untouched
+    result = generate(target, draft, parse_policy("static:4"), PROMPTS[0], 30)
+    assert result.token_ids == plain_greedy(target_model, PROMPTS[0], 30)
+    assert result.stats.accept_rate > 0.5
