@@ -40,23 +40,25 @@ def plot_benchmark(summary: dict, runs, path: str | Path) -> None:
 
     plt = _pyplot()
     policies = [p for p in summary["policies"] if p != "none"]
+    colors = plt.get_cmap("tab20").colors
     cats = summary["categories"] + ["overall"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
     width = 0.8 / max(1, len(policies))
     x = np.arange(len(cats))
     for j, policy in enumerate(policies):
         row = summary["table"][policy]
-        ax1.bar(x + j * width, [row[c]["speedup"] if c in row else 0 for c in cats], width, label=policy)
+        ax1.bar(x + j * width, [row[c]["speedup"] if c in row else 0 for c in cats], width, label=policy,
+                color=colors[j % len(colors)])
     ax1.axhline(1.0, color="black", lw=0.8)
     ax1.set_xticks(x + width * (len(policies) - 1) / 2, cats, rotation=30, ha="right", fontsize=8)
     ax1.set_ylabel("speedup over plain decoding")
     ax1.legend(fontsize=7, ncol=2)
     ax1.grid(axis="y", alpha=0.3)
-    for policy in policies:
+    for j, policy in enumerate(policies):
         counts = Counter(k for r in runs if r.policy == policy for k in r.ks)
         total = sum(counts.values()) or 1
         ks = sorted(counts)
-        ax2.plot(ks, [counts[k] / total for k in ks], marker="o", label=policy)
+        ax2.plot(ks, [counts[k] / total for k in ks], marker="o", label=policy, color=colors[j % len(colors)])
     ax2.set_xlabel("k chosen (drafted)")
     ax2.set_ylabel("share of steps")
     ax2.grid(alpha=0.3)
