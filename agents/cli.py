@@ -169,22 +169,24 @@ def train_main(argv: list[str] | None = None) -> int:
     meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
                               check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
                               activation=str(hp["activation"]))
-    print(f"specpilot: exported {meta_path} (checked against SB3's actions)", file=sys.stderr)
+    learned = LearnedK.load(meta_path, device=device_key)
+    print(f"specpilot: exported {meta_path} (checked against SB3's actions); one decision takes "
+          f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
     if not test_prompts:
         return 0
     held_out = per_category(test_prompts, cfg.eval_per_category)
     statics = sorted({k for k in (1, 2, 3, 4, 6, k_max) if k <= k_max})
     policies = {"none": NoSpeculation(), **{f"static:{k}": StaticK(k) for k in statics},
-                "heuristic": HeuristicK(k_max), "learned": LearnedK.load(meta_path, device=device_key)}
+                "heuristic": HeuristicK(k_max), "learned": learned}
     runs = run_benchmark(target, draft, policies, held_out, cfg.eval_max_new_tokens, 1, progress=cfg.progress)
     summary = summarize(runs)
     table = summary["table"]
     best_static = max((n for n in policies if n.startswith("static:")), key=lambda n: table[n]["overall"]["tokens_per_s"])
-    learned, best = table["learned"]["overall"], table[best_static]["overall"]
+    row, best = table["learned"]["overall"], table[best_static]["overall"]
     print(format_table(summary))
-    print(f"learned vs best static ({best_static}): {learned['tokens_per_s'] / best['tokens_per_s']:.3f}x tokens/s; "
-          f"vs heuristic: {learned['tokens_per_s'] / table['heuristic']['overall']['tokens_per_s']:.3f}x; "
-          f"vs plain: {learned['speedup']:.3f}x")
+    print(f"learned vs best static ({best_static}): {row['tokens_per_s'] / best['tokens_per_s']:.3f}x tokens/s; "
+          f"vs heuristic: {row['tokens_per_s'] / table['heuristic']['overall']['tokens_per_s']:.3f}x; "
+          f"vs plain: {row['speedup']:.3f}x")
     (run_dir / "eval.json").write_text(json.dumps({"summary": summary, "best_static": best_static,
                                                    "prompts": [p.question_id for p in held_out]}, indent=1))
     return 0

@@ -116,3 +116,14 @@ class LearnedK(LengthPolicy):
 
     def choose_k(self, obs: np.ndarray) -> int:
         return self.action_to_k[int(np.argmax(self.logits(obs)))]
+
+    def decision_seconds(self, calls: int = 2000) -> float:
+        """Mean seconds of one choose_k on a typical (training-mean) observation."""
+        import time
+
+        obs = self.mean.astype(np.float32)
+        self.choose_k(obs)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            self.choose_k(obs)
+        return (time.perf_counter() - t0) / calls

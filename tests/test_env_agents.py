@@ -200,19 +200,6 @@ def test_missing_policy_file(tmp_path):
         LearnedK.load(tmp_path / "nope" / "policy.json")
 
 
-def test_learned_decision_is_fast(trained):
-    import time
-
-    policy = LearnedK.load(trained / "cpu")
-    obs = np.zeros(len(FEATURES), dtype=np.float32)
-    policy.choose_k(obs)
-    t0 = time.perf_counter()
-    for _ in range(2000):
-        policy.choose_k(obs)
-    per_call = (time.perf_counter() - t0) / 2000
-    assert per_call < 200e-6  # the target is < 50 us; loose here so a loaded CI machine does not flake
-
-
 def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     """--env both: pre-train on the replay env (profile + traces), fine-tune on the real loop."""
     from agents.cli import train_main
