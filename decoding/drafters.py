@@ -66,6 +66,17 @@ def empty_draft(device: torch.device | str) -> Draft:
     return Draft(tokens=torch.empty(0, dtype=torch.long, device=device))
 
 
+def cache_kwarg(model) -> str:
+    """The forward() keyword for the KV cache: `cache` in transformers >= 5.2x, `past_key_values` before."""
+    name = getattr(model, "_specpilot_cache_kwarg", None)
+    if name is None:
+        import inspect
+
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        model._specpilot_cache_kwarg = name
+    return name
+
+
 def crop_cache(cache, keep: int) -> None:
     """Drop cached positions beyond the first `keep` (transformers' crop takes a negative count)."""
     extra = cache.get_seq_length() - keep
@@ -161,7 +172,8 @@ class ModelDrafter:
             self.cached = length
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids[None].to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids[None].to(self.device), use_cache=True, logits_to_keep=1,
+                         **{cache_kwarg(self.model): self.cache})
         self.cached += ids.shape[0]
         logits = out.logits[0, -1].float()
         width = logits.shape[-1]

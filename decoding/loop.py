@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .drafters import Draft, Drafter, crop_cache, empty_draft
+from .drafters import Draft, Drafter, cache_kwarg, crop_cache, empty_draft
 from .errors import SpecPilotError
 from .sampling import Sampling, probs_from_logits
 from .verify import verify_greedy, verify_sampling
@@ -86,11 +86,12 @@ class DecodeState:
 
 
 def _target_forward(state: DecodeState, ids: torch.Tensor):
-    return state.target.model(
+    model = state.target.model
+    return model(
         input_ids=ids[None],
-        cache=state.cache,
         use_cache=True,
         output_hidden_states=bool(state.draft is not None and state.draft.needs_hidden),
+        **{cache_kwarg(model): state.cache},
     )
 
 
