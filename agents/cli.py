@@ -55,15 +55,6 @@ class TrainConfig:
     """Show progress bars."""
 
 
-def _torch_device(device_key: str) -> str:
-    if device_key == "cpu":
-        return "cpu"
-    from decoding.hardware import device_key as key_of, gpu_names
-
-    index = next(i for i, name in enumerate(gpu_names()) if key_of(name) == device_key)
-    return f"cuda:{index}"
-
-
 def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
     from decoding.cli import _slug
 
@@ -110,7 +101,7 @@ def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: in
 
 def train_main(argv: list[str] | None = None) -> int:
     from decoding.benchmark import format_table, run_benchmark, summarize
-    from decoding.hardware import resolve_device
+    from decoding.hardware import resolve_device, torch_device_of
     from decoding.learned import LearnedK
     from decoding.models import load_draft, load_target
     from decoding.policies import HeuristicK, NoSpeculation, StaticK
@@ -128,7 +119,7 @@ def train_main(argv: list[str] | None = None) -> int:
     k_max = int(hp["k_max"])
     train_prompts = load_prompts(cfg.prompts, "train")
     test_prompts = load_prompts(cfg.prompts, "test") if cfg.eval_per_category else []
-    torch_device = _torch_device(device_key)
+    torch_device = torch_device_of(device_key)
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)

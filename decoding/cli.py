@@ -42,7 +42,7 @@ class GenerateConfig:
     seed: int = 0
     """Random seed for sampling."""
     device: str = "auto"
-    """Torch device: auto | cpu | cuda | cuda:N."""
+    """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
     dtype: str = "auto"
     """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
     allow_device_mismatch: bool = False
@@ -133,7 +133,7 @@ class BenchmarkConfig:
     temperature: float = 0.0
     """0 = greedy (also checks losslessness against plain decoding)."""
     device: str = "auto"
-    """Torch device: auto | cpu | cuda."""
+    """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
     allow_device_mismatch: bool = False
@@ -280,7 +280,9 @@ def profile_main(argv: list[str] | None = None) -> int:
 
     cfg = parse_config(ProfileConfig, argv)
     device_key, hardware_name = resolve_device(cfg.device)
-    torch_device = "cpu" if device_key == "cpu" else "cuda"
+    from .hardware import torch_device_of
+
+    torch_device = torch_device_of(device_key)
     try:
         lens = [int(x) for x in cfg.context_lens.split(",") if x.strip()]
     except ValueError:

@@ -270,3 +270,16 @@ def device_of(torch_device: str) -> tuple[str, str]:
     if index >= len(names):
         raise SpecPilotError(f"torch device {torch_device} has no NVML entry (found {len(names)} GPUs)")
     return device_key(names[index]), names[index]
+
+
+def torch_device_of(device: str) -> str:
+    """The torch device for a device name: a device key ('cpu', 'h100', ...), 'auto', or a torch
+    device string ('cuda', 'cuda:1') passed through. A key that is not present is an error."""
+    device = str(device).strip().lower()
+    if device.startswith("cuda"):
+        return device
+    key, _ = resolve_device(device)
+    if key == "cpu":
+        return "cpu"
+    index = next(i for i, name in enumerate(gpu_names()) if device_key(name) == key)
+    return f"cuda:{index}"

@@ -168,11 +168,14 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def resolve_torch_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    """auto | cpu | cuda[:N] | a device key such as h100 (see decoding.hardware.torch_device_of)."""
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise SpecPilotError(f"torch device '{name}' requested but CUDA is not available")
-    return name
+    if name == "auto" and torch.cuda.is_available():
+        return "cuda"
+    from .hardware import torch_device_of
+
+    return torch_device_of(name)
 
 
 def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto") -> Target:
