@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import yaml
@@ -170,7 +170,7 @@ def train(
             remaining = end - model.num_timesteps
             if remaining > 0:
                 model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), progress_bar=progress,
-                            reset_num_timesteps=model.num_timesteps == 0, tb_log_name=f"ppo")
+                            reset_num_timesteps=model.num_timesteps == 0, tb_log_name="ppo")
             done = end
     finally:
         if run is not None:

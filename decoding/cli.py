@@ -9,8 +9,7 @@ from typing import Callable
 
 from .config import parse_config
 from .errors import SpecPilotError
-from .models import DRAFT_HELP
-from .policies import DEFAULT_K_MAX, POLICY_HELP
+from .policies import DEFAULT_K_MAX
 
 
 @dataclass

@@ -10,7 +10,6 @@ import os
 import platform
 import re
 import threading
-import time
 
 import numpy as np
 

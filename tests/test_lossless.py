@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import RandomK, perturbed_copy, plain_greedy, tiny_target
+from conftest import RandomK, plain_greedy, tiny_target
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.loop import generate
 from decoding.policies import parse_policy

@@ -11,7 +11,7 @@ from conftest import tiny_target
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.loop import generate
 from decoding.oracle import CostModel, OracleK, Trace, brute_force_schedule, oracle_schedule, record_trace
-from decoding.policies import NoSpeculation, StaticK
+from decoding.policies import NoSpeculation
 from env import REPLAY_ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
 
 

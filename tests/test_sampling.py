@@ -1,7 +1,6 @@
 """Rejection sampling must leave the target's distribution unchanged; a broken verifier must not."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
