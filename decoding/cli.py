@@ -145,6 +145,9 @@ class BenchmarkConfig:
     """Cost profile for the oracle (default: profiles/DEVICE.json)."""
     traces: str | None = None
     """Acceptance traces for the oracle (default: profiles/traces-DRAFT.json)."""
+    replay: bool = False
+    """Instead of timing the real loop, evaluate the policies on the recorded traces with the device's
+    cost model, without noise (the replay env PPO pre-trains on): seconds instead of minutes."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -164,20 +167,54 @@ def expand_policies(text: str) -> list[str]:
     return names
 
 
-def _oracle(cfg, device_key: str, draft, sampling):
-    from .oracle import CostModel, OracleK, load_traces
+def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, dict]:
+    """The acceptance traces of this draft and the device's cost profile (for the oracle and --replay)."""
+    from .oracle import load_traces
 
     if not sampling.greedy:
-        raise SpecPilotError("the oracle needs greedy decoding (--temperature 0)")
+        raise SpecPilotError("the oracle and --replay need greedy decoding (--temperature 0)")
     profile_path = Path(cfg.profile or f"profiles/{device_key}.json")
     if not profile_path.exists():
-        raise SpecPilotError(f"oracle: no cost profile {profile_path}; run scripts/profile_device.py --device {device_key}")
+        raise SpecPilotError(f"no cost profile {profile_path}; run scripts/profile_device.py --device {device_key}")
     traces, meta = load_traces(cfg.traces or f"profiles/traces-{_slug(draft.name)}.json")
     if meta.get("draft") != draft.name:
-        raise SpecPilotError(f"oracle: the traces were recorded with draft '{meta.get('draft')}', not '{draft.name}'")
+        raise SpecPilotError(f"the traces were recorded with draft '{meta.get('draft')}', not '{draft.name}'")
     if meta.get("max_new_tokens", 0) < cfg.max_new_tokens:
-        raise SpecPilotError(f"oracle: traces hold {meta.get('max_new_tokens')} tokens per prompt, fewer than --max-new-tokens")
-    return OracleK(traces, CostModel.from_profile(json.loads(profile_path.read_text())), cfg.k_max, cfg.max_new_tokens)
+        raise SpecPilotError(f"traces hold {meta.get('max_new_tokens')} tokens per prompt, fewer than --max-new-tokens")
+    return traces, json.loads(profile_path.read_text())
+
+
+def _oracle(cfg, device_key: str, draft, sampling):
+    from .oracle import CostModel, OracleK
+
+    traces, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    return OracleK(traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_new_tokens)
+
+
+def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, prompts) -> int:
+    import numpy as np
+
+    from env.replay_env import replay_evaluate
+
+    from .oracle import CostModel, truncate
+
+    traces, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    wanted = {p.question_id for p in prompts}
+    traces = [truncate(t, cfg.max_new_tokens) for t in traces if t.question_id in wanted]
+    if not traces:
+        raise SpecPilotError("--replay: none of the chosen prompts has a recorded trace")
+    hardware = np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
+    results = replay_evaluate(policies, traces, CostModel.from_profile(profile), cfg.k_max, hardware)
+    print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}), {cfg.max_new_tokens} tokens, "
+          f"cost profile of {device_key}, draft {draft.name}")
+    print(f"{'policy':<16}{'speedup':>9}{'acc.rate':>9}" + (f"{'/oracle':>8}" if "oracle" in results else ""))
+    for name, row in results.items():
+        print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
+              + (f"{row['fraction_of_oracle']:>8.3f}" if "oracle" in results else ""))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results}, indent=1))
+    return 0
 
 
 def benchmark_main(argv: list[str] | None = None) -> int:
@@ -205,6 +242,8 @@ def benchmark_main(argv: list[str] | None = None) -> int:
             policies[n] = _oracle(cfg, device_key, draft, sampling)
         else:
             policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key)
+    if cfg.replay:
+        return _replay_benchmark(cfg, device_key, draft, sampling, policies, prompts)
     runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)
     summary = summarize(runs, greedy=sampling.greedy)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,

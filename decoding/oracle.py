@@ -95,6 +95,19 @@ class CostModel:
         self.verify_s = np.asarray(verify_s, dtype=np.float64)
         self.draft_s = np.asarray(draft_s_per_token, dtype=np.float64)
         self.k_max = self.verify_s.shape[1] - 1
+        self._buckets: dict[int, tuple[np.ndarray, float]] = {}
+
+    BUCKET = 32
+    """Contexts are looked up at the middle of 32-token buckets (memoised: the DP and the replay env
+    ask for the same context lengths over and over)."""
+
+    def step_costs(self, context_len: int) -> tuple[np.ndarray, float]:
+        """(step seconds for k = 0..k_max, draft seconds per token) at this context length."""
+        bucket = int(context_len) // self.BUCKET
+        if bucket not in self._buckets:
+            c = bucket * self.BUCKET + self.BUCKET // 2
+            self._buckets[bucket] = (self.table(c), float(np.interp(c, self.context_lens, self.draft_s)))
+        return self._buckets[bucket]
 
     @classmethod
     def from_profile(cls, profile: dict) -> "CostModel":
@@ -115,12 +128,8 @@ def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None) -> 
     n_prompt = len(trace.prompt_ids)
     best = np.zeros(n + 1)
     choice = np.zeros(n, dtype=np.int64)
-    tables = {}
     for i in range(n - 1, -1, -1):
-        bucket = (n_prompt + i) // 64
-        if bucket not in tables:
-            tables[bucket] = cost.table(n_prompt + i)
-        t = tables[bucket]
+        t = cost.step_costs(n_prompt + i)[0]
         top = min(k_max, n - i - 1)
         best_value, best_k = np.inf, 0
         for k in range(top + 1):
@@ -135,23 +144,6 @@ def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None) -> 
         path.append(k)
         i += min(min(k, trace.available[i]), trace.matches[i]) + 1
     return float(best[0]), path
-
-
-def brute_force_schedule(trace: Trace, cost: CostModel, k_max: int) -> float:
-    """Exhaustive search over every k sequence (tests only: exponential)."""
-    n, n_prompt = len(trace.output_ids), len(trace.prompt_ids)
-
-    def go(i: int) -> float:
-        if i >= n:
-            return 0.0
-        t = cost.table(n_prompt + i)
-        results = []
-        for k in range(min(k_max, n - i - 1) + 1):
-            drafted = min(k, trace.available[i])
-            results.append(t[drafted] + go(i + min(drafted, trace.matches[i]) + 1))
-        return min(results)
-
-    return go(0)
 
 
 def truncate(trace: Trace, n: int) -> Trace:

@@ -6,13 +6,11 @@ comparable across devices.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from decoding.loop import speculative_step, start
 
 
 @dataclass
@@ -38,17 +36,10 @@ class PlainSpeed:
         return cls(data["context_lens"], data["seconds"], data.get("meta", {}))
 
 
-def measure_plain_speed(target, prompt_ids: list[int], context_lens=(32, 256, 1024), steps: int = 6) -> PlainSpeed:
-    """Median seconds of a k = 0 step of the target at each context length (prompt ids tiled to length)."""
-    window = target.context_window or 10**9
-    lens, secs = [], []
-    for n in context_lens:
-        if n + steps + 1 >= window:
-            continue
-        ids = (list(prompt_ids) * (n // max(1, len(prompt_ids)) + 1))[:n]
-        state = start(target, None, ids, steps + 2)
-        speculative_step(state, 0)  # warm-up
-        times = [speculative_step(state, 0).seconds for _ in range(steps)]
-        lens.append(n)
-        secs.append(statistics.median(times))
-    return PlainSpeed(lens, secs, {"target": target.name, "steps": steps})
+def measure_plain_speed(target, prompt_ids: list[int], context_lens=(32, 256, 1024), repeats: int = 6) -> PlainSpeed:
+    """Median seconds of a plain (k = 0) step at each context length: the device profiler's k = 0 column."""
+    from decoding.profile import profile_costs
+
+    profile = profile_costs(target, None, prompt_ids, k_max=0, context_lens=context_lens, repeats=repeats)
+    return PlainSpeed(profile["context_lens"], [row[0] for row in profile["verify_s"]],
+                      {"target": target.name, "repeats": repeats})

@@ -85,16 +85,7 @@ class ReplayEnv(gym.Env):
         self.observer = ObservationBuilder(k_max, monitor=monitor)
         self.action_space = gym.spaces.Discrete(k_max + 1)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
-        self._tables: dict[int, np.ndarray] = {}
-        self._draft: dict[int, float] = {}
         self.state: ReplayState | None = None
-
-    def _table(self, context_len: int) -> tuple[np.ndarray, float]:
-        bucket = context_len // 32
-        if bucket not in self._tables:
-            self._tables[bucket] = self.cost.table(bucket * 32 + 16)
-            self._draft[bucket] = float(np.interp(bucket * 32 + 16, self.cost.context_lens, self.cost.draft_s))
-        return self._tables[bucket], self._draft[bucket]
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -116,7 +107,7 @@ class ReplayEnv(gym.Env):
         k = max(0, min(int(action), state.remaining - 1))
         drafted = min(k, trace.available[i])
         accepted = min(drafted, trace.matches[i])
-        table, draft_per_token = self._table(state.length)
+        table, draft_per_token = self.cost.step_costs(state.length)
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         seconds = table[drafted] * noise
         draft_s = min(draft_per_token * drafted * noise, seconds)
@@ -130,6 +121,7 @@ class ReplayEnv(gym.Env):
         state.length += n_new
         state.done = state.remaining <= 0
         self.observer.push(step)
+        self.last_step = step
         plain = table[0]
         reward = step_reward(n_new, seconds, plain, self.reward)
         self.episode.add(n_new, seconds, plain * n_new, drafted, accepted)
@@ -152,3 +144,35 @@ def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -
         if done:
             env.reset()
     return steps / (time.perf_counter() - t0)
+
+
+def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max: int,
+                    hardware: np.ndarray | None = None) -> dict[str, dict]:
+    """Noise-free speedup over plain decoding of each policy on the traces, by the device's cost model.
+
+    The same replay env PPO pre-trains on, without noise: a policy's number here depends only on its
+    choices, so policies (and the oracle, which the replay reproduces exactly) compare free of timing noise.
+    """
+    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware)
+    results = {}
+    for name, policy in policies.items():
+        seconds = plain = 0.0
+        drafted = accepted = 0
+        for index, trace in enumerate(traces):
+            if hasattr(policy, "prepare"):
+                policy.prepare(trace.question_id)
+            obs, _ = env.reset(options={"trace_index": index})
+            policy.reset()
+            done = False
+            while not done:
+                obs, _, done, _, _ = env.step(policy.choose_k(obs))
+                policy.update(env.last_step)
+            seconds += env.episode.seconds
+            plain += env.episode.plain_seconds
+            drafted += env.episode.drafted
+            accepted += env.episode.accepted
+        results[name] = {"speedup": plain / seconds, "accept_rate": accepted / drafted if drafted else 0.0}
+    if "oracle" in results:
+        for row in results.values():
+            row["fraction_of_oracle"] = row["speedup"] / results["oracle"]["speedup"]
+    return results

@@ -10,8 +10,8 @@ import pytest
 from conftest import tiny_target
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.loop import generate
-from decoding.oracle import CostModel, OracleK, Trace, brute_force_schedule, oracle_schedule, record_trace
-from decoding.policies import NoSpeculation
+from decoding.oracle import CostModel, OracleK, Trace, oracle_schedule, record_trace
+from decoding.policies import NoSpeculation, StaticK
 from env import REPLAY_ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
 
 
@@ -27,6 +27,23 @@ def random_trace(rng, n, k_max=4):
     return Trace("t", "c", list(range(10)), list(range(n)), matches, available, k_max=k_max)
 
 
+def brute_force_schedule(trace: Trace, cost: CostModel, k_max: int) -> float:
+    """Exhaustive search over every k sequence (exponential: tiny traces only)."""
+    n, n_prompt = len(trace.output_ids), len(trace.prompt_ids)
+
+    def go(i: int) -> float:
+        if i >= n:
+            return 0.0
+        t = cost.step_costs(n_prompt + i)[0]
+        results = []
+        for k in range(min(k_max, n - i - 1) + 1):
+            drafted = min(k, trace.available[i])
+            results.append(t[drafted] + go(i + min(drafted, trace.matches[i]) + 1))
+        return min(results)
+
+    return go(0)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_oracle_dp_equals_brute_force(seed):
     rng = random.Random(seed)
@@ -38,7 +55,7 @@ def test_oracle_dp_equals_brute_force(seed):
     total, i = 0.0, 0
     for k in path:
         drafted = min(k, trace.available[i])
-        total += cost.table(10 + i)[drafted]
+        total += cost.step_costs(10 + i)[0][drafted]
         i += min(drafted, trace.matches[i]) + 1
     assert i == 9 and total == pytest.approx(best)
 
@@ -54,7 +71,7 @@ def test_oracle_never_worse_than_any_static_k():
             while i < 30:
                 kk = min(k, 30 - i - 1)
                 drafted = min(kk, trace.available[i])
-                total += cost.table(10 + i)[drafted]
+                total += cost.step_costs(10 + i)[0][drafted]
                 i += min(drafted, trace.matches[i]) + 1
             assert best <= total + 1e-12
 
@@ -154,3 +171,18 @@ def test_saved_reward_return_is_time_saved(recorded):
             assert total == pytest.approx((0.1 * n - seconds) / 0.1)
         else:
             assert total > 0
+
+
+def test_replay_evaluate_reproduces_the_oracle(recorded):
+    """Through the noise-free replay env the oracle policy costs exactly the DP's minimum, and no
+    other policy beats it."""
+    from env.replay_env import replay_evaluate
+
+    _, _, trace = recorded
+    cost = hand_cost()
+    policies = {"none": NoSpeculation(), "static:2": StaticK(2), "static:4": StaticK(4), "oracle": OracleK([trace], cost, 4)}
+    results = replay_evaluate(policies, [trace], cost, 4)
+    plain = sum(cost.step_costs(len(trace.prompt_ids) + i)[0][0] for i in range(len(trace.output_ids)))
+    assert results["oracle"]["speedup"] == pytest.approx(plain / oracle_schedule(trace, cost, 4)[0])
+    assert results["none"]["speedup"] == pytest.approx(1.0)
+    assert all(r["fraction_of_oracle"] <= 1.0 + 1e-9 for r in results.values())
