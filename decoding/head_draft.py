@@ -1,0 +1,222 @@
+"""A trained draft head for a given target (EAGLE / ReDrafter style, FR-Spec reduced vocabulary).
+
+The head reads the target's last-layer hidden state h at the last position the target has processed
+and the embedding of the token after it, and predicts the target's next hidden state; chaining
+that k times drafts k tokens. It owns no embedding and no LM head: it reuses the target's embedding
+and the rows of the target's LM head for a frequent-token sub-vocabulary (FR-Spec), which makes a
+drafted token cost a few MB of weight reads instead of the target's whole 49k-row head. Because the
+target's hidden state already summarises the whole context, the head needs no KV cache: its state is
+one vector, so rollback is free and batching is trivial.
+
+Files (a folder): `draft_head.json` (shape, sub-vocabulary, the target it was trained for) and
+`draft_head.safetensors` (the head's own weights, a few MB).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .drafters import Draft, empty_draft, entropy_of
+from .errors import SpecPilotError
+from .sampling import Sampling, probs_from_logits, sample
+
+FORMAT = "specpilot-draft-head/1"
+CONFIG_FILE = "draft_head.json"
+WEIGHTS_FILE = "draft_head.safetensors"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFT = "drafts/smollm2-135m-head"
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    blocks: int
+    vocab_ids: list[int]
+    """Target token ids the head can propose (the sub-vocabulary), most frequent first."""
+    target_vocab_size: int
+    target_signature: list[float] = field(default_factory=list)
+    """Mean |weight| of the target's first embedding rows: catches a head loaded on another target."""
+    target_name: str = ""
+    eps: float = 1e-5
+    trained: dict = field(default_factory=dict)
+    """How it was trained (data, steps, final metrics), for the record."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual SwiGLU block."""
+
+    def __init__(self, hidden: int, inner: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps)
+        self.gate = nn.Linear(hidden, inner, bias=False)
+        self.up = nn.Linear(hidden, inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
+
+
+class DraftHead(nn.Module):
+    """g_{i} = blocks(fc([norm(g_{i-1}); norm(e(x_i))])), logits_i = W_sub @ norm(g_i).
+
+    g_0 is the target's final hidden state (after its last norm), so g_i is trained to match it.
+    """
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.norm_state = RMSNorm(h, cfg.eps)
+        self.norm_embed = RMSNorm(h, cfg.eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.blocks = nn.ModuleList(MLPBlock(h, cfg.intermediate_size, cfg.eps) for _ in range(cfg.blocks))
+        self.norm_out = RMSNorm(h, cfg.eps)
+
+    def advance(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([self.norm_state(state), self.norm_embed(embedded)], dim=-1))
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def logits(self, state: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits over the sub-vocabulary (head_weight: the target's LM-head rows of vocab_ids)."""
+        return self.norm_out(state) @ head_weight.T
+
+
+def target_signature(model, rows: int = 8) -> list[float]:
+    weight = model.get_input_embeddings().weight
+    return [round(float(v), 6) for v in weight[:rows].detach().float().abs().mean(dim=1)]
+
+
+def sub_head_weight(model, vocab_ids: torch.Tensor) -> torch.Tensor:
+    return model.get_output_embeddings().weight.detach()[vocab_ids].contiguous()
+
+
+def save_head(head: DraftHead, folder: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().float().contiguous().cpu() for name, t in head.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS_FILE))
+    (folder / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **asdict(head.cfg)}, indent=1) + "\n")
+    return folder
+
+
+def load_head(folder: str | Path) -> DraftHead:
+    """A head from its folder; clear errors for a missing or corrupt file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise SpecPilotError(f"no draft head in {folder} (expected {CONFIG_FILE} and {WEIGHTS_FILE}); "
+                             "build one with scripts/distill_draft.py")
+    try:
+        raw = json.loads(config_path.read_text())
+        if raw.pop("format", None) != FORMAT:
+            raise ValueError(f"not a {FORMAT} file")
+        cfg = HeadConfig(**raw)
+    except (ValueError, TypeError) as exc:
+        raise SpecPilotError(f"corrupt draft head config {config_path}: {exc}") from None
+    head = DraftHead(cfg)
+    try:
+        state = load_file(str(weights_path))
+        head.load_state_dict(state)
+    except (SafetensorError, RuntimeError, OSError) as exc:
+        raise SpecPilotError(f"corrupt draft head weights {weights_path}: {str(exc).splitlines()[0]}") from None
+    return head.eval()
+
+
+def is_head_folder(spec: str) -> bool:
+    return (Path(spec).expanduser() / CONFIG_FILE).is_file()
+
+
+def default_draft_folder() -> Path:
+    for root in (Path.cwd(), REPO_ROOT):
+        if (root / DEFAULT_DRAFT / CONFIG_FILE).is_file():
+            return root / DEFAULT_DRAFT
+    raise SpecPilotError(
+        f"the default draft ({DEFAULT_DRAFT}) is missing; rebuild it with "
+        "`python scripts/distill_draft.py` or pick another --draft (ngram, self:bf16, a model path)"
+    )
+
+
+class HeadDrafter:
+    """Drafter protocol around a DraftHead bound to its target (embedding + LM-head rows)."""
+
+    needs_hidden = True
+
+    def __init__(self, head: DraftHead, target_model, name: str = "head", check: bool = True):
+        cfg = head.cfg
+        out = target_model.get_output_embeddings().weight
+        if check:
+            hidden = int(out.shape[1])
+            if (int(out.shape[0]), hidden) != (cfg.target_vocab_size, cfg.hidden_size):
+                raise SpecPilotError(
+                    f"draft head '{name}' was trained for a target with vocab {cfg.target_vocab_size} and hidden size "
+                    f"{cfg.hidden_size}; this target has vocab {out.shape[0]} and hidden size {hidden}")
+            mine = target_signature(target_model, len(cfg.target_signature))
+            if cfg.target_signature and any(abs(a - b) > 1e-2 * max(abs(b), 1e-6) for a, b in zip(mine, cfg.target_signature)):
+                raise SpecPilotError(
+                    f"draft head '{name}' was trained for another target ({cfg.target_name or 'unknown'}): "
+                    "its embedding signature differs from this target's")
+        self.name = name
+        self.head = head.to(device=out.device, dtype=out.dtype).eval()
+        self.embed = target_model.get_input_embeddings()
+        self.vocab_ids = torch.tensor(cfg.vocab_ids, dtype=torch.long, device=out.device)
+        self.head_weight = sub_head_weight(target_model, self.vocab_ids)
+        self.vocab_size = int(out.shape[0])
+
+    def reset(self, prompt: torch.Tensor) -> None:
+        pass
+
+    def rollback(self, length: int) -> None:
+        pass
+
+    def _full(self, p_sub: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(*p_sub.shape[:-1], self.vocab_size, dtype=p_sub.dtype, device=p_sub.device)
+        return full.index_copy_(-1, self.vocab_ids, p_sub)
+
+    @torch.inference_mode()
+    def propose(self, context, k, sampling: Sampling, generator, stop_below=None, target_hidden=None) -> Draft:
+        if k <= 0 or target_hidden is None or target_hidden.shape[0] == 0:
+            return empty_draft(context.device)
+        state = target_hidden[-1]
+        token = context[-1]
+        tokens, probs, confidences, entropies = [], [], [], []
+        for _ in range(k):
+            state = self.head.advance(state, self.embed(token))
+            logits = self.head.logits(state, self.head_weight).float()
+            p_sub = probs_from_logits(logits, sampling)
+            conf = float(p_sub.max())
+            if stop_below is not None and conf < stop_below:
+                break
+            index = p_sub.argmax() if sampling.greedy else sample(p_sub, generator)
+            token = self.vocab_ids[index]
+            tokens.append(token.reshape(1))
+            confidences.append(conf)
+            entropies.append(entropy_of(p_sub))
+            if not sampling.greedy:
+                probs.append(self._full(p_sub))
+        if not tokens:
+            return empty_draft(context.device)
+        return Draft(tokens=torch.cat(tokens), probs=torch.stack(probs) if probs else None,
+                     confidences=confidences, entropies=entropies)

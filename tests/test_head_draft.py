@@ -1,0 +1,131 @@
+"""The trained draft head: lossless decoding with it, distillation learns, a killed run resumes exactly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import RandomK, plain_greedy, tiny_llama, tiny_target
+from decoding import distill as distill_mod
+from decoding.distill import DistillConfig, distill
+from decoding.errors import SpecPilotError
+from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, load_head, save_head, target_signature
+from decoding.loop import generate
+from decoding.models import load_draft, load_target
+from decoding.policies import parse_policy
+
+
+def random_head(model, vocab_ids, seed=0) -> DraftHead:
+    torch.manual_seed(seed)
+    h = model.config.hidden_size
+    cfg = HeadConfig(hidden_size=h, intermediate_size=48, blocks=1, vocab_ids=vocab_ids,
+                     target_vocab_size=model.config.vocab_size, target_signature=target_signature(model))
+    return DraftHead(cfg).to(model.dtype).eval()
+
+
+@pytest.mark.parametrize("policy", ["static:3", "static:8", "heuristic", "confidence:0.3"])
+def test_head_draft_greedy_lossless(tiny_pair, policy):
+    model, _ = tiny_pair
+    draft = HeadDrafter(random_head(model, list(range(0, 64, 2))), model)  # half the vocabulary only
+    for prompt in ([5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42]):
+        result = generate(tiny_target(model), draft, parse_policy(policy), prompt, 30)
+        assert result.token_ids == plain_greedy(model, prompt, 30)
+
+
+def test_head_draft_random_k_with_eos(tiny_pair):
+    model, _ = tiny_pair
+    prompt = [3, 1, 4, 1, 5]
+    eos = plain_greedy(model, prompt, 30)[9]
+    reference = plain_greedy(model, prompt, 30, eos=eos)
+    draft = HeadDrafter(random_head(model, list(range(64))), model)
+    result = generate(tiny_target(model, eos=eos), draft, RandomK(seed=3), prompt, 30)
+    assert result.token_ids == reference
+
+
+def test_head_draft_sampling_proposals_live_on_sub_vocabulary(tiny_pair):
+    from decoding.sampling import Sampling
+
+    model, _ = tiny_pair
+    sub = list(range(10, 40))
+    draft = HeadDrafter(random_head(model, sub), model)
+    hidden = torch.randn(1, model.config.hidden_size, dtype=model.dtype)
+    out = draft.propose(torch.tensor([1, 2, 3]), 4, Sampling(temperature=1.0), torch.Generator().manual_seed(0),
+                        target_hidden=hidden)
+    assert out.probs.shape == (4, 64)
+    assert torch.allclose(out.probs.sum(-1), torch.ones(4, dtype=out.probs.dtype))
+    outside = [i for i in range(64) if i not in sub]
+    assert float(out.probs[:, outside].abs().max()) == 0.0
+    assert all(int(t) in sub for t in out.tokens)
+
+
+def test_head_refuses_other_target_and_corrupt_files(tiny_pair, tmp_path):
+    model, _ = tiny_pair
+    head = random_head(model, list(range(64)))
+    folder = save_head(head, tmp_path / "head")
+    HeadDrafter(load_head(folder), model)  # its own target: fine
+    with pytest.raises(SpecPilotError, match="trained for another target"):
+        HeadDrafter(load_head(folder), tiny_llama(seed=5))
+    with pytest.raises(SpecPilotError, match="vocab"):
+        HeadDrafter(load_head(folder), tiny_llama(vocab=80))
+    (folder / "draft_head.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(SpecPilotError, match="corrupt draft head weights"):
+        load_head(folder)
+    with pytest.raises(SpecPilotError, match="no draft head"):
+        load_head(tmp_path / "missing")
+
+
+def _prompt_file(tmp_path):
+    texts = ["hello there", "write a poem", "add two numbers", "abc abc abc", "tell me a story", "count to ten",
+             "what is 2+2", "name a color", "say hi", "list three fruits", "sort these: c b a", "repeat after me"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"category": "c", "split": "train", "turns": [t]}) + "\n" for t in texts))
+    return str(path)
+
+
+def _cfg(tiny_model_dirs, tmp_path, name, **kw) -> DistillConfig:
+    base = dict(target=tiny_model_dirs["target"], out=str(tmp_path / name), work_dir=str(tmp_path / f"work-{name}"),
+                prompts=_prompt_file(tmp_path), synthetic_prompts=0, max_new_tokens=24, gen_batch=4, vocab=128,
+                blocks=1, intermediate_size=64, depth=3, steps=60, batch_size=32, lr=1e-2, checkpoint_every=10,
+                device="cpu", track=False, progress=False, val_fraction=0.2)
+    base.update(kw)
+    return DistillConfig(**base)
+
+
+def test_short_distillation_learns_and_decodes_losslessly(tiny_model_dirs, tmp_path):
+    cfg = _cfg(tiny_model_dirs, tmp_path, "head")
+    out = distill(cfg)
+    history = json.loads((tmp_path / "work-head" / "history.json").read_text())
+    losses = [h["loss"] for h in history]
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
+    assert history[-1]["train/top1_step1"] > history[0]["train/top1_step1"]
+    target = load_target(tiny_model_dirs["target"], dtype="float32", device="cpu")
+    draft = load_draft(str(out), target)
+    assert isinstance(draft, HeadDrafter)
+    prompt = target.encode("tell me a story", chat=True)
+    result = generate(target, draft, parse_policy("static:4"), prompt, 20)
+    assert result.token_ids == plain_greedy(target.model, prompt, 20, eos=0)
+    assert result.stats.accept_rate > 0.0
+
+
+def test_killed_distillation_resumes_to_the_same_head(tiny_model_dirs, tmp_path, monkeypatch):
+    whole = distill(_cfg(tiny_model_dirs, tmp_path, "whole", steps=30))
+    real_unroll, calls = distill_mod.unroll, {"n": 0}
+
+    def dying_unroll(*args, **kw):
+        calls["n"] += args[-1] != 0.0  # training calls only (evaluation passes feature_weight 0)
+        if calls["n"] == 21:
+            raise KeyboardInterrupt
+        return real_unroll(*args, **kw)
+
+    monkeypatch.setattr(distill_mod, "unroll", dying_unroll)
+    cfg = _cfg(tiny_model_dirs, tmp_path, "resumed", steps=30)
+    with pytest.raises(SpecPilotError, match="interrupted at step 20"):
+        distill(cfg)
+    monkeypatch.setattr(distill_mod, "unroll", real_unroll)
+    resumed = distill(cfg)
+    history = json.loads((tmp_path / "work-resumed" / "history.json").read_text())
+    assert [h["step"] for h in history] == list(range(1, 31))
+    a, b = load_head(whole).state_dict(), load_head(resumed).state_dict()
+    assert all(torch.allclose(a[name], b[name]) for name in a)
