@@ -21,15 +21,16 @@ class Draft:
     """What a drafter proposes for one step."""
 
     tokens: torch.Tensor
-    """(n,) proposed token ids, n <= k."""
+    """(n,) proposed token ids, n <= k; (rows, n) from propose_batch."""
     probs: torch.Tensor | None = None
-    """(n, V) the draft distributions the tokens were sampled from (sampling only; None = deterministic)."""
+    """(n, V) the draft distributions the tokens were sampled from (sampling only; None = deterministic);
+    (rows, n, V) from propose_batch."""
     confidences: list[float] = field(default_factory=list)
     """Top-1 probability of the draft at each proposed position."""
     entropies: list[float] = field(default_factory=list)
     """Entropy (nats) of the draft distribution at each proposed position."""
-    match_len: int = 0
-    """Prompt-lookup drafters: length of the n-gram that matched (0 = none)."""
+    match_len: float = 0
+    """Prompt-lookup drafters: length of the n-gram that matched (0 = none; the mean over a batch)."""
 
 
 class Drafter(Protocol):
@@ -55,6 +56,9 @@ class Drafter(Protocol):
 
     # optional: `peek(context, k) -> (match_len, available)`, what the drafter could propose now without
     # running a model (the observation builder reads it; prompt-lookup drafters have it for free)
+    # optional, for batched decoding (B > 1): `reset_batch(contexts)`, `rollback_batch(lengths, rows)`
+    # and `propose_batch(contexts, k, sampling, generator, stop_below, target_hidden, rows) -> Draft`
+    # with tokens (rows, n) (a row with fewer proposals pads: padding is rejected like any wrong guess)
 
 
 def entropy_of(p: torch.Tensor) -> float:
@@ -95,29 +99,36 @@ class NgramDrafter:
             raise SpecPilotError(f"ngram drafter needs 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.name = f"ngram:{max_n}"
-        self._last: tuple[int, int, int] | None = None
+        self._last: dict[int, tuple[int, int, int]] = {}
 
     def reset(self, prompt: torch.Tensor) -> None:
-        self._last = None
+        self._last = {}
+
+    def reset_batch(self, contexts: list[torch.Tensor]) -> None:
+        self._last = {}
 
     def rollback(self, length: int) -> None:
         pass
 
-    def peek(self, context: torch.Tensor, k: int) -> tuple[int, int]:
+    def rollback_batch(self, lengths: list[int], rows: list[int]) -> None:
+        pass
+
+    def peek(self, context: torch.Tensor, k: int, row: int = 0) -> tuple[int, int]:
         """(matched n-gram length, tokens available to propose) for the current context."""
-        tokens, n = self.lookup(context, k)
+        tokens, n = self.lookup(context, k, row)
         return n, tokens.shape[0]
 
-    def lookup(self, context: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    def lookup(self, context: torch.Tensor, k: int, row: int = 0) -> tuple[torch.Tensor, int]:
         """(continuation of at most k tokens, matched n-gram length); empty when nothing matches.
 
-        The match for the last context length is kept, so a peek followed by a propose on the same
-        context searches once (within a sequence the context at a given length never changes).
+        The match for the last context length of each row is kept, so a peek followed by a propose on
+        the same context searches once (within a sequence the context at a given length never changes).
         """
         length = context.shape[0]
-        if self._last is None or self._last[0] != length:
-            self._last = (length, *self._search(context))
-        _, start, n = self._last
+        last = self._last.get(row) if self._last else None
+        if last is None or last[0] != length:
+            last = self._last[row] = (length, *self._search(context))
+        _, start, n = last
         return context[start : start + k], n
 
     def _search(self, context: torch.Tensor) -> tuple[int, int]:
@@ -137,6 +148,18 @@ class NgramDrafter:
         tokens, n = self.lookup(context, k)
         ones = [1.0] * tokens.shape[0]
         return Draft(tokens=tokens, probs=None, confidences=ones, entropies=[0.0] * len(ones), match_len=n)
+
+    def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None) -> Draft:
+        rows = rows if rows is not None else list(range(len(contexts)))
+        found = [self.lookup(c, k, row) for c, row in zip(contexts, rows)]
+        width = max((t.shape[0] for t, _ in found), default=0) if k > 0 else 0
+        tokens = torch.empty(len(contexts), width, dtype=torch.long, device=contexts[0].device)
+        for i, ((t, _), context) in enumerate(zip(found, contexts)):
+            tokens[i, : t.shape[0]] = t
+            tokens[i, t.shape[0] :] = context[-1]  # padding: a guess like any other
+        ones = [1.0] * width
+        return Draft(tokens=tokens, confidences=ones, entropies=[0.0] * width,
+                     match_len=sum(n for _, n in found) / len(found))
 
 
 class ModelDrafter:

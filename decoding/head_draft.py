@@ -195,28 +195,45 @@ class HeadDrafter:
         full = torch.zeros(*p_sub.shape[:-1], self.vocab_size, dtype=p_sub.dtype, device=p_sub.device)
         return full.index_copy_(-1, self.vocab_ids, p_sub)
 
-    @torch.inference_mode()
+    def reset_batch(self, contexts) -> None:
+        pass
+
+    def rollback_batch(self, lengths, rows) -> None:
+        pass
+
     def propose(self, context, k, sampling: Sampling, generator, stop_below=None, target_hidden=None) -> Draft:
-        if k <= 0 or target_hidden is None or target_hidden.shape[0] == 0:
+        if target_hidden is None or target_hidden.shape[0] == 0:
             return empty_draft(context.device)
-        state = target_hidden[-1]
-        token = context[-1]
+        draft = self.propose_batch([context], k, sampling, generator, stop_below, target_hidden[-1:])
+        draft.tokens = draft.tokens[0]
+        draft.probs = draft.probs[0] if draft.probs is not None else None
+        return draft
+
+    @torch.inference_mode()
+    def propose_batch(self, contexts, k, sampling: Sampling, generator, stop_below=None, target_hidden=None,
+                      rows=None) -> Draft:
+        """k tokens per row from the rows' last target hidden states (rows, hidden); stops early when
+        every row's top-1 probability is below `stop_below`."""
+        device = contexts[0].device
+        if k <= 0 or target_hidden is None:
+            return Draft(tokens=torch.empty(len(contexts), 0, dtype=torch.long, device=device))
+        state = target_hidden
+        token = torch.stack([c[-1] for c in contexts])
         tokens, probs, confidences, entropies = [], [], [], []
         for _ in range(k):
             state = self.head.advance(state, self.embed(token))
-            logits = self.head.logits(state, self.head_weight).float()
-            p_sub = probs_from_logits(logits, sampling)
-            conf = float(p_sub.max())
-            if stop_below is not None and conf < stop_below:
+            p_sub = probs_from_logits(self.head.logits(state, self.head_weight), sampling)
+            top = p_sub.max(dim=-1).values
+            if stop_below is not None and float(top.max()) < stop_below:
                 break
-            index = p_sub.argmax() if sampling.greedy else sample(p_sub, generator)
+            index = p_sub.argmax(dim=-1) if sampling.greedy else sample(p_sub, generator)
             token = self.vocab_ids[index]
-            tokens.append(token.reshape(1))
-            confidences.append(conf)
-            entropies.append(entropy_of(p_sub))
+            tokens.append(token)
+            confidences.append(float(top.mean()))
+            entropies.append(float(sum(entropy_of(p) for p in p_sub)) / p_sub.shape[0])
             if not sampling.greedy:
                 probs.append(self._full(p_sub))
         if not tokens:
-            return empty_draft(context.device)
-        return Draft(tokens=torch.cat(tokens), probs=torch.stack(probs) if probs else None,
+            return Draft(tokens=torch.empty(len(contexts), 0, dtype=torch.long, device=device))
+        return Draft(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1) if probs else None,
                      confidences=confidences, entropies=entropies)

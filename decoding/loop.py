@@ -3,7 +3,8 @@
 Invariant between steps: the target's KV cache holds every confirmed token but the last one, which
 is fed again (with the k drafted tokens) in the next verify pass. So k = 0 is exactly a plain decode
 step, and after verification the cache is cropped to the accepted length: the accepted prefix is
-never recomputed. The env, the benchmark and the CLIs all drive this loop.
+never recomputed. The same code decodes a batch: one k per step, each row accepting its own number
+of tokens (see DecodeState). The env, the benchmark and the CLIs all drive this loop.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .drafters import Draft, Drafter, cache_kwarg, crop_cache, empty_draft
+from .drafters import Draft, Drafter, cache_kwarg, crop_cache
 from .errors import SpecPilotError
 from .sampling import Sampling, probs_from_logits
 from .verify import verify_greedy, verify_sampling
@@ -33,44 +34,51 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass
 class StepResult:
-    """One draft-verify step."""
+    """One draft-verify step (of one sequence, or of a batch: one k, each row its own accepted count)."""
 
     k: int
-    """Tokens actually drafted and verified (may be below the requested k)."""
+    """Tokens actually drafted and verified per row (may be below the requested k)."""
     k_requested: int
-    accepted: int
-    """Drafted tokens the target kept."""
+    accepted: float
+    """Drafted tokens the target kept (an int for one sequence; the mean over the rows of a batch)."""
     new_tokens: list[int]
-    """Tokens appended to the sequence (accepted + 1, fewer if EOS or the budget ended it)."""
+    """Tokens appended (accepted + 1 per row, fewer if EOS or the budget ended it); all rows concatenated."""
     draft_s: float
     verify_s: float
     confidences: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
-    match_len: int = 0
+    match_len: float = 0
     context_len: int = 0
-    """Confirmed tokens before the step."""
+    """Confirmed tokens before the step (the mean over a batch's rows)."""
+    accepted_rows: list[int] = field(default_factory=list)
+    """Per active row: drafted tokens kept."""
+    new_rows: list[list[int]] = field(default_factory=list)
+    """Per active row: tokens appended."""
+
+    def __post_init__(self) -> None:
+        if not self.accepted_rows:
+            self.accepted_rows = [int(self.accepted)]
+        if not self.new_rows:
+            self.new_rows = [list(self.new_tokens)]
 
     @property
     def seconds(self) -> float:
         return self.draft_s + self.verify_s
 
+    @property
+    def batch_size(self) -> int:
+        return len(self.accepted_rows)
+
 
 @dataclass
-class DecodeState:
-    """One sequence being decoded: the confirmed tokens and both models' caches."""
+class Row:
+    """One sequence of a batch: its confirmed tokens."""
 
-    target: Any
-    draft: Drafter | None
-    sampling: Sampling
     buffer: torch.Tensor
     length: int
     prompt_len: int
     max_new_tokens: int
-    cache: Any
-    generator: torch.Generator | None
-    hidden: torch.Tensor | None = None
     done: bool = False
-    prefill_s: float = 0.0
 
     @property
     def context(self) -> torch.Tensor:
@@ -85,116 +93,289 @@ class DecodeState:
         return self.max_new_tokens - (self.length - self.prompt_len)
 
 
-def _target_forward(state: DecodeState, ids: torch.Tensor):
+@dataclass
+class DecodeState:
+    """B sequences decoded together (B = 1 is the common case) and both models' caches.
+
+    The target's KV cache is shared by the active rows and has the same number of slots in each. A
+    row that accepts fewer drafted tokens than another leaves its rejected slots in the cache, masked
+    out by `slot_mask` forever (positions come from the row's own length, so the holes are invisible
+    to it); slots rejected by every row are cropped, so with one row there are never holes and no
+    mask. Finished rows are dropped from the cache (`active` maps cache rows to `rows`).
+    """
+
+    target: Any
+    draft: Drafter | None
+    sampling: Sampling
+    rows: list[Row]
+    cache: Any
+    generator: torch.Generator | None
+    hidden: torch.Tensor | None = None
+    """(active rows, hidden) the target's last hidden state per row (drafts that need it only)."""
+    active: list[int] = field(default_factory=list)
+    slot_mask: torch.Tensor | None = None
+    """(active rows, cache slots) 1 = a confirmed token of that row; None for a single sequence."""
+    batched: bool = False
+    prefill_s: float = 0.0
+
+    # a single sequence reads like one row
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.rows[0].buffer
+
+    @property
+    def length(self) -> int:
+        return self.rows[0].length
+
+    @property
+    def prompt_len(self) -> int:
+        return self.rows[0].prompt_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.rows[0].max_new_tokens
+
+    @property
+    def context(self) -> torch.Tensor:
+        return self.rows[0].context
+
+    @property
+    def generated(self) -> list[int]:
+        return self.rows[0].generated
+
+    @property
+    def remaining(self) -> int:
+        return max(self.rows[i].remaining for i in self.active) if self.active else 0
+
+    @property
+    def done(self) -> bool:
+        return not self.active
+
+    @property
+    def active_rows(self) -> list[Row]:
+        return [self.rows[i] for i in self.active]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.active)
+
+
+def _target_forward(state: DecodeState, ids: torch.Tensor, positions: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None):
     model = state.target.model
+    extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
     return model(
-        input_ids=ids[None],
+        input_ids=ids,
         use_cache=True,
         output_hidden_states=bool(state.draft is not None and state.draft.needs_hidden),
         **{cache_kwarg(model): state.cache},
+        **extra,
     )
+
+
+def _as_rows(prompt_ids) -> tuple[list[torch.Tensor], bool]:
+    """Prompts as 1-D tensors, and whether a batch (a list of prompts) was given."""
+    if isinstance(prompt_ids, torch.Tensor):
+        return ([prompt_ids.flatten()] if prompt_ids.dim() < 2 else list(prompt_ids)), prompt_ids.dim() == 2
+    prompt_ids = list(prompt_ids)
+    if prompt_ids and isinstance(prompt_ids[0], (list, tuple, torch.Tensor)):
+        return [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompt_ids], True
+    return [torch.as_tensor(prompt_ids, dtype=torch.long).flatten()], False
 
 
 @torch.inference_mode()
 def start(
     target: "Target",
     draft: Drafter | None,
-    prompt_ids: list[int] | torch.Tensor,
+    prompt_ids,
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     seed: int | None = 0,
 ) -> DecodeState:
-    """Prefill the target (all prompt tokens but the last) and reset the draft."""
+    """Prefill the target (all prompt tokens but the last) and reset the draft.
+
+    `prompt_ids`: one prompt (a list of ids or a 1-D tensor) or a batch (a list of such lists).
+    """
     from transformers import DynamicCache
 
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
-    if prompt.numel() == 0:
-        raise SpecPilotError("the prompt is empty")
+    prompts, batched = _as_rows(prompt_ids)
+    if not prompts:
+        raise SpecPilotError("no prompts given")
     if max_new_tokens < 1:
         raise SpecPilotError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
     window = target.context_window
-    if window and prompt.numel() >= window:
-        raise SpecPilotError(f"the prompt has {prompt.numel()} tokens; the target's context window is {window}")
+    for prompt in prompts:
+        if prompt.numel() == 0:
+            raise SpecPilotError("the prompt is empty")
+        if window and prompt.numel() >= window:
+            raise SpecPilotError(f"the prompt has {prompt.numel()} tokens; the target's context window is {window}")
     device = target.device
-    buffer = torch.zeros(prompt.numel() + max_new_tokens, dtype=torch.long, device=device)
-    buffer[: prompt.numel()] = prompt.to(device)
+    rows = []
+    for prompt in prompts:
+        buffer = torch.zeros(prompt.numel() + max_new_tokens, dtype=torch.long, device=device)
+        buffer[: prompt.numel()] = prompt.to(device)
+        rows.append(Row(buffer, prompt.numel(), prompt.numel(), max_new_tokens))
     generator = None
     if not sampling.greedy:
         generator = torch.Generator(device=device)
         generator.manual_seed(0 if seed is None else seed)
     state = DecodeState(
-        target=target, draft=draft, sampling=sampling, buffer=buffer, length=prompt.numel(),
-        prompt_len=prompt.numel(), max_new_tokens=max_new_tokens,
+        target=target, draft=draft, sampling=sampling, rows=rows,
         cache=DynamicCache(config=target.model.config), generator=generator,
+        active=list(range(len(rows))), batched=batched,
     )
+    if draft is not None and len(rows) > 1 and not hasattr(draft, "propose_batch"):
+        raise SpecPilotError(f"the draft '{draft.name}' does not support batched decoding; use ngram or the draft head")
     synchronize(device)
     t0 = time.perf_counter()
-    if prompt.numel() > 1:
-        out = _target_forward(state, state.buffer[: prompt.numel() - 1])
-        if out.hidden_states is not None:
-            state.hidden = out.hidden_states[-1][0]
+    if len(rows) == 1:
+        if rows[0].length > 1:
+            out = _target_forward(state, rows[0].buffer[None, : rows[0].length - 1])
+            if out.hidden_states is not None:
+                state.hidden = out.hidden_states[-1][:, -1]
+    else:
+        _prefill_batch(state)
     if draft is not None:
-        draft.reset(state.context)
+        if len(rows) == 1:
+            draft.reset(state.context)
+        else:
+            draft.reset_batch([r.context for r in rows])
     synchronize(device)
     state.prefill_s = time.perf_counter() - t0
     return state
 
 
+def _prefill_batch(state: DecodeState) -> None:
+    """Left-padded prefill of every row's prompt but its last token; pads are masked slots."""
+    rows = state.rows
+    width = max(r.length - 1 for r in rows)
+    device = rows[0].buffer.device
+    mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    state.slot_mask = mask
+    if width == 0:
+        return
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        n = r.length - 1
+        if n:
+            ids[i, width - n :] = r.buffer[:n]
+            mask[i, width - n :] = 1
+    positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    out = _target_forward(state, ids, positions, mask)
+    if out.hidden_states is not None:
+        state.hidden = out.hidden_states[-1][:, -1]
+
+
+def _propose(state: DecodeState, k: int, stop_below: float | None) -> Draft:
+    """The draft's proposal for every active row: tokens (rows, n), probs (rows, n, V) or None."""
+    device = state.rows[0].buffer.device
+    if k <= 0 or state.draft is None:
+        return Draft(tokens=torch.empty(len(state.active), 0, dtype=torch.long, device=device))
+    if not state.batched and len(state.active) == 1:
+        draft = state.draft.propose(state.context, k, state.sampling, state.generator, stop_below=stop_below,
+                                    target_hidden=state.hidden)
+        draft.tokens = draft.tokens[None]
+        if draft.probs is not None:
+            draft.probs = draft.probs[None]
+        return draft
+    return state.draft.propose_batch([r.context for r in state.active_rows], k, state.sampling, state.generator,
+                                     stop_below=stop_below, target_hidden=state.hidden, rows=list(state.active))
+
+
 @torch.inference_mode()
 def speculative_step(state: DecodeState, k: int, stop_below: float | None = None) -> StepResult:
-    """Draft up to k tokens, verify them in one target pass, keep the accepted prefix + 1 token."""
+    """Draft up to k tokens per active row, verify them in one target pass, keep each row's accepted
+    prefix + 1 token."""
     if state.done:
         raise SpecPilotError("the sequence is finished; start a new one")
     k_requested = k
+    rows = state.active_rows
     k = max(0, min(k, state.remaining - 1)) if state.draft is not None else 0
-    context = state.context
-    length = state.length
-    device = state.buffer.device
+    device = rows[0].buffer.device
     synchronize(device)
     t0 = time.perf_counter()
-    draft: Draft = (
-        state.draft.propose(context, k, state.sampling, state.generator, stop_below=stop_below, target_hidden=state.hidden)
-        if k > 0
-        else empty_draft(device)
-    )
+    draft = _propose(state, k, stop_below)
     synchronize(device)
     t1 = time.perf_counter()
-    k = draft.tokens.shape[0]
-    out = _target_forward(state, torch.cat([context[-1:], draft.tokens]))
-    logits = out.logits[0]
-    if state.sampling.greedy:
-        accepted, new = verify_greedy(draft.tokens, logits)
+    k = draft.tokens.shape[1]
+    last = torch.stack([r.buffer[r.length - 1] for r in rows])[:, None]
+    feed = torch.cat([last, draft.tokens], dim=1)
+    slots = state.cache.get_seq_length()
+    if state.slot_mask is None:
+        out = _target_forward(state, feed)
     else:
-        target_probs = probs_from_logits(logits, state.sampling)
-        draft_probs = draft.probs
-        if draft_probs is None:  # a deterministic drafter: q is a point mass on each drafted token
-            draft_probs = torch.nn.functional.one_hot(draft.tokens, target_probs.shape[-1]).float()
-        accepted, new = verify_sampling(draft.tokens, draft_probs, target_probs, state.generator)
-    # the cache now holds length-1+k+1 positions; keep the confirmed ones except the newest token
-    crop_cache(state.cache, length + accepted)
+        lengths = torch.tensor([r.length for r in rows], device=device)
+        positions = (lengths - 1)[:, None] + torch.arange(k + 1, device=device)
+        mask = torch.cat([state.slot_mask, torch.ones_like(feed)], dim=1)
+        out = _target_forward(state, feed, positions, mask)
+    accepted_rows, new_rows = [], []
+    for i in range(len(rows)):
+        tokens = draft.tokens[i]
+        if state.sampling.greedy:
+            accepted, new = verify_greedy(tokens, out.logits[i])
+        else:
+            target_probs = probs_from_logits(out.logits[i], state.sampling)
+            draft_probs = draft.probs[i] if draft.probs is not None else None
+            if draft_probs is None:  # a deterministic drafter: q is a point mass on each drafted token
+                draft_probs = torch.nn.functional.one_hot(tokens, target_probs.shape[-1]).float()
+            accepted, new = verify_sampling(tokens, draft_probs, target_probs, state.generator)
+        accepted_rows.append(accepted)
+        new_rows.append(new)
+    # the cache gained k + 1 slots per row; a row keeps its fed token + its accepted drafts (its newest
+    # token is fed next step); slots no row keeps are cropped
+    crop_cache(state.cache, slots + max(accepted_rows) + 1)
+    if state.slot_mask is not None:
+        kept = torch.arange(k + 1, device=device)[None] <= torch.tensor(accepted_rows, device=device)[:, None]
+        state.slot_mask = torch.cat([state.slot_mask, kept.long()], dim=1)[:, : slots + max(accepted_rows) + 1]
     if out.hidden_states is not None:
-        state.hidden = out.hidden_states[-1][0, : accepted + 1]
+        index = torch.tensor(accepted_rows, device=device)
+        state.hidden = out.hidden_states[-1][torch.arange(len(rows), device=device), index]
+    lengths_before = [r.length for r in rows]
     if state.draft is not None:
-        state.draft.rollback(length + accepted)
-    new_tokens = new.tolist()
+        if len(rows) == 1 and not state.batched:
+            state.draft.rollback(lengths_before[0] + accepted_rows[0])
+        else:
+            state.draft.rollback_batch([n + a for n, a in zip(lengths_before, accepted_rows)], list(state.active))
     eos = state.target.eos_ids
-    for i, token in enumerate(new_tokens):
-        if token in eos:
-            new_tokens = new_tokens[: i + 1]
-            state.done = True
-            break
-    n = len(new_tokens)
-    state.buffer[length : length + n] = new[:n]
-    state.length = length + n
-    if state.remaining <= 0:
-        state.done = True
+    appended = []
+    for r, new in zip(rows, new_rows):
+        tokens = new.tolist()[: r.remaining]
+        for j, token in enumerate(tokens):
+            if token in eos:
+                tokens = tokens[: j + 1]
+                r.done = True
+                break
+        n = len(tokens)
+        r.buffer[r.length : r.length + n] = new[:n]
+        r.length += n
+        r.done = r.done or r.remaining <= 0
+        appended.append(tokens)
+    if any(r.done for r in rows):
+        _drop_finished(state)
     synchronize(device)
     t2 = time.perf_counter()
+    n_rows = len(rows)
     return StepResult(
-        k=k, k_requested=k_requested, accepted=accepted, new_tokens=new_tokens,
+        k=k, k_requested=k_requested,
+        accepted=accepted_rows[0] if n_rows == 1 else sum(accepted_rows) / n_rows,
+        new_tokens=[t for tokens in appended for t in tokens],
         draft_s=t1 - t0, verify_s=t2 - t1, confidences=draft.confidences,
-        entropies=draft.entropies, match_len=draft.match_len, context_len=length,
+        entropies=draft.entropies, match_len=draft.match_len,
+        context_len=round(sum(lengths_before) / n_rows),
+        accepted_rows=accepted_rows, new_rows=appended,
     )
+
+
+def _drop_finished(state: DecodeState) -> None:
+    keep = [j for j, i in enumerate(state.active) if not state.rows[i].done]
+    if keep and len(keep) < len(state.active):
+        index = torch.tensor(keep, device=state.rows[0].buffer.device)
+        state.cache.batch_select_indices(index)
+        if state.slot_mask is not None:
+            state.slot_mask = state.slot_mask[index]
+        if state.hidden is not None:
+            state.hidden = state.hidden[index]
+    state.active = [state.active[j] for j in keep]
 
 
 @dataclass
@@ -215,17 +396,18 @@ class GenerationStats:
     def from_steps(cls, steps: list[StepResult], seconds: float, prefill_s: float = 0.0, policy_s: float = 0.0) -> "GenerationStats":
         n = len(steps)
         new = sum(len(s.new_tokens) for s in steps)
-        drafted = sum(s.k for s in steps)
-        accepted = sum(s.accepted for s in steps)
+        drafted = sum(s.k * s.batch_size for s in steps)
+        accepted = sum(sum(s.accepted_rows) for s in steps)
+        row_steps = sum(s.batch_size for s in steps)
         return cls(
             steps=n,
             new_tokens=new,
             seconds=seconds,
             tokens_per_s=new / seconds if seconds > 0 else 0.0,
-            mean_k=drafted / n if n else 0.0,
-            mean_accepted=accepted / n if n else 0.0,
+            mean_k=sum(s.k for s in steps) / n if n else 0.0,
+            mean_accepted=accepted / row_steps if row_steps else 0.0,
             accept_rate=accepted / drafted if drafted else 0.0,
-            accept_counts=dict(sorted(Counter(s.accepted for s in steps).items())),
+            accept_counts=dict(sorted(Counter(a for s in steps for a in s.accepted_rows).items())),
             prefill_s=prefill_s,
             policy_s=policy_s,
         )
@@ -242,7 +424,8 @@ class GenerationStats:
 
 @dataclass
 class Generation:
-    token_ids: list[int]
+    token_ids: list
+    """The generated ids: a list of ints for one prompt, one such list per row for a batch."""
     steps: list[StepResult]
     stats: GenerationStats
 
@@ -251,14 +434,15 @@ def generate(
     target: "Target",
     draft: Drafter | None,
     policy: "LengthPolicy",
-    prompt_ids: list[int] | torch.Tensor,
+    prompt_ids,
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     seed: int | None = 0,
     observer: "ObservationBuilder | None" = None,
     on_step: Callable[[StepResult], None] | None = None,
 ) -> Generation:
-    """Decode one sequence: per step observe, choose k, run one speculative step, update."""
+    """Decode one prompt (a list of ids) or a batch (a list of prompts): per step observe, choose k,
+    run one speculative step, update."""
     from .observation import ObservationBuilder
 
     if policy.k_max > 0 and draft is None:
@@ -283,4 +467,5 @@ def generate(
         if on_step is not None:
             on_step(step)
     seconds = clock() - t0
-    return Generation(state.generated, steps, GenerationStats.from_steps(steps, seconds, state.prefill_s, policy_s))
+    token_ids = [r.generated for r in state.rows] if state.batched else state.generated
+    return Generation(token_ids, steps, GenerationStats.from_steps(steps, seconds, state.prefill_s, policy_s))
