@@ -166,3 +166,110 @@ def markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> 
         lines.append(f"| {policy} | " + " | ".join(f"{t[policy][c]['speedup']:.3f}x" for c in cats) + " |")
     lines += ["", f"![speedup per category and chosen k]({plot_name})", ""]
     return "\n".join(lines)
+
+
+@dataclass
+class BatchRun:
+    policy: str
+    batch_size: int
+    batch_index: int
+    question_ids: list[str]
+    repeat: int
+    new_tokens: int
+    seconds: float
+    steps: int
+    drafted: int
+    accepted: int
+    policy_s: float
+    ks: list[int]
+    token_ids: list[list[int]]
+
+
+def batches_of(n_prompts: int, batch_size: int) -> list[list[int]]:
+    """Prompt indices in consecutive groups of batch_size (the first batch_size, cycled, if too few)."""
+    if n_prompts >= batch_size:
+        return [list(range(i, i + batch_size)) for i in range(0, n_prompts - batch_size + 1, batch_size)]
+    return [[i % n_prompts for i in range(batch_size)]]
+
+
+def run_batch_benchmark(
+    target,
+    draft,
+    policies: dict[str, LengthPolicy],
+    prompts: list[Prompt],
+    batch_sizes: list[int],
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    sampling: Sampling = Sampling(),
+    chat: bool = True,
+    progress: bool = True,
+) -> list[BatchRun]:
+    """Every policy on the same batches of prompts at each batch size (B prompts decoded together)."""
+    from tqdm import tqdm
+
+    if "none" not in policies:
+        raise SpecPilotError("the benchmark needs the 'none' policy (plain decoding) as its baseline")
+    names = list(policies)
+    encoded = [target.encode(p.text, chat=chat) for p in prompts]
+    plan = [(b, i, idx) for b in batch_sizes for i, idx in enumerate(batches_of(len(prompts), b))]
+    generate(target, draft, policies[names[-1]], [encoded[0], encoded[-1]], 8, sampling)  # warm-up
+    runs: list[BatchRun] = []
+    bar = tqdm(total=repeats * len(plan) * len(names), desc="batch benchmark", disable=not progress, file=sys.stderr)
+    for r in range(repeats):
+        for j, (b, i, idx) in enumerate(plan):
+            shift = (r + j) % len(names)
+            for name in names[shift:] + names[:shift]:
+                policy = policies[name]
+                result = generate(target, draft if policy.k_max > 0 else None, policy, [encoded[x] for x in idx],
+                                  max_new_tokens, sampling, seed=r)
+                s = result.stats
+                runs.append(BatchRun(name, b, i, [prompts[x].question_id for x in idx], r, s.new_tokens, s.seconds,
+                                     s.steps, sum(x.k * x.batch_size for x in result.steps),
+                                     sum(sum(x.accepted_rows) for x in result.steps), s.policy_s,
+                                     [x.k for x in result.steps], result.token_ids))
+                bar.update()
+    bar.close()
+    return runs
+
+
+def summarize_batches(runs: list[BatchRun], greedy: bool = True) -> dict:
+    """Per batch size and policy: tokens/s of all rows, speedup over plain decoding at that batch size."""
+    by_key: dict[tuple, list[BatchRun]] = defaultdict(list)
+    for run in runs:
+        by_key[(run.batch_size, run.policy, run.batch_index)].append(run)
+    sizes = sorted({run.batch_size for run in runs})
+    policies = list(dict.fromkeys(run.policy for run in runs))
+    table: dict[str, dict[str, dict]] = {}
+    for b in sizes:
+        table[str(b)] = {}
+        batches = sorted({k[2] for k in by_key if k[0] == b})
+        plain_s = sum(statistics.median(r.seconds for r in by_key[(b, "none", i)]) for i in batches)
+        plain_tokens = sum(by_key[(b, "none", i)][0].new_tokens for i in batches)
+        for policy in policies:
+            group = [r for i in batches for r in by_key[(b, policy, i)]]
+            seconds = sum(statistics.median(r.seconds for r in by_key[(b, policy, i)]) for i in batches)
+            tokens = sum(by_key[(b, policy, i)][0].new_tokens for i in batches)
+            drafted = sum(r.drafted for r in group)
+            table[str(b)][policy] = {
+                "batches": len(batches),
+                "tokens_per_s": tokens / seconds,
+                "speedup": (tokens / seconds) / (plain_tokens / plain_s),
+                "accept_rate": sum(r.accepted for r in group) / drafted if drafted else 0.0,
+                "mean_k": sum(sum(r.ks) for r in group) / max(1, sum(r.steps for r in group)),
+                "overhead_frac": sum(r.policy_s for r in group) / sum(r.seconds for r in group),
+                "lossless": all(by_key[(b, policy, i)][0].token_ids == by_key[(b, "none", i)][0].token_ids
+                                for i in batches) if greedy else None,
+            }
+    return {"batch_sizes": sizes, "policies": policies, "table": table}
+
+
+def format_batch_table(summary: dict) -> str:
+    """Rows: policies; columns: batch sizes, each 'tokens/s (speedup)'."""
+    sizes = summary["batch_sizes"]
+    head = f"{'policy':<16}" + "".join(f"{'B=' + str(b):>18}" for b in sizes) + f"{'lossless':>10}"
+    lines = [head, "-" * len(head)]
+    for policy in summary["policies"]:
+        cells = [summary["table"][str(b)][policy] for b in sizes]
+        line = f"{policy:<16}" + "".join(f"{c['tokens_per_s']:>9.2f} ({c['speedup']:.3f}x)" for c in cells)
+        lines.append(line + f"{str(all(c['lossless'] is not False for c in cells)):>10}")
+    return "\n".join(lines)

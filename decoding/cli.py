@@ -145,6 +145,10 @@ class BenchmarkConfig:
     """Cost profile for the oracle (default: profiles/DEVICE.json)."""
     traces: str | None = None
     """Acceptance traces for the oracle (default: profiles/traces-DRAFT.json)."""
+    batch_sizes: str = ""
+    """Comma-separated batch sizes (e.g. 1,2,4,8,16): benchmark batched decoding instead, the prompts
+    taken B at a time and decoded together, every policy on the same batches (policy batch-table: the
+    per-batch-size table built from the cost profile and the train traces)."""
     replay: bool = False
     """Instead of timing the real loop, evaluate the policies on the recorded traces with the device's
     cost model, without noise (the replay env PPO pre-trains on): seconds instead of minutes."""
@@ -189,6 +193,87 @@ def _oracle(cfg, device_key: str, draft, sampling):
 
     traces, profile = _traces_and_profile(cfg, device_key, draft, sampling)
     return OracleK(traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_new_tokens)
+
+
+def _train_traces(traces: list, meta: dict) -> list:
+    """The traces of train-split prompts (all of them when the file does not record splits)."""
+    splits = meta.get("splits") or {}
+    kept = [t for t in traces if splits.get(t.question_id, "train") == "train"]
+    return kept or traces
+
+
+def _batch_table(cfg, device_key: str, draft, sampling):
+    from .batch_table import BatchTableK
+    from .oracle import load_traces
+
+    _, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    traces, meta = load_traces(cfg.traces or f"profiles/traces-{_slug(draft.name)}.json")
+    if not profile.get("batch_sizes"):
+        raise SpecPilotError(f"the cost profile of {device_key} has no batch sizes; rerun scripts/profile_device.py")
+    return BatchTableK.from_profile(profile, _train_traces(traces, meta), cfg.k_max)
+
+
+def _parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPilotError(f"{flag} must be comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise SpecPilotError(f"{flag} must list integers >= 1, got '{text}'")
+    return values
+
+
+def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, device_key, hardware_name, argv) -> int:
+    from .benchmark import format_batch_table, run_batch_benchmark, summarize_batches
+    from .plots import plot_batch_benchmark
+
+    sizes = _parse_ints(cfg.batch_sizes, "--batch-sizes")
+    runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
+                               cfg.chat, cfg.progress)
+    summary = summarize_batches(runs, greedy=sampling.greedy)
+    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "batch_sizes": sizes, "policies": {n: getattr(p, "path", None) or getattr(p, "table", None) or n
+                                               for n, p in policies.items()}}
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from dataclasses import asdict as _asdict
+
+    (out / "batch_results.json").write_text(json.dumps({"meta": meta, "summary": summary,
+                                                        "runs": [_asdict(r) for r in runs]}, indent=1))
+    plot_batch_benchmark(summary, out / "batch_benchmark.png")
+    if cfg.report:
+        import shutil
+
+        report = Path(cfg.report)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "batch_benchmark.png", report.with_suffix(".png"))
+        report.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+        command = "python scripts/benchmark.py " + " ".join(sys.argv[1:]) if argv is None else "benchmark_main(" + repr(argv) + ")"
+        report.write_text(_batch_markdown(summary, meta, report.with_suffix(".png").name, command))
+    print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) | batch sizes {sizes} | "
+          f"{cfg.max_new_tokens} new tokens per row | {hardware_name}")
+    print(format_batch_table(summary))
+    print(f"results: {out / 'batch_results.json'}")
+    return 0
+
+
+def _batch_markdown(summary: dict, meta: dict, plot_name: str, command: str) -> str:
+    sizes = summary["batch_sizes"]
+    lines = [f"# Batched benchmark: {meta.get('hardware')} ({meta.get('device')})", "", f"Regenerate with: `{command}`", "",
+             f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split), "
+             f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; greedy; every policy on the same batches, "
+             "interleaved. Cells: tokens/s of all rows (speedup over plain decoding at that batch size).", "",
+             "| policy | " + " | ".join(f"B={b}" for b in sizes) + " | lossless |", "|---|" + "---|" * (len(sizes) + 1)]
+    for policy in summary["policies"]:
+        cells = [summary["table"][str(b)][policy] for b in sizes]
+        lines.append(f"| {policy} | " + " | ".join(f"{c['tokens_per_s']:.2f} ({c['speedup']:.3f}x)" for c in cells)
+                     + f" | {all(c['lossless'] is not False for c in cells)} |")
+    lines += ["", "Mean k chosen:", "", "| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for policy in summary["policies"]:
+        lines.append(f"| {policy} | " + " | ".join(f"{summary['table'][str(b)][policy]['mean_k']:.2f}" for b in sizes) + " |")
+    lines += ["", f"![tokens/s and speedup vs batch size]({plot_name})", ""]
+    return "\n".join(lines)
 
 
 def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, prompts) -> int:
@@ -240,10 +325,14 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     for n in names:
         if n == "oracle":
             policies[n] = _oracle(cfg, device_key, draft, sampling)
+        elif n == "batch-table":
+            policies[n] = _batch_table(cfg, device_key, draft, sampling)
         else:
             policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key)
     if cfg.replay:
         return _replay_benchmark(cfg, device_key, draft, sampling, policies, prompts)
+    if cfg.batch_sizes:
+        return _batch_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv)
     runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)
     summary = summarize(runs, greedy=sampling.greedy)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
@@ -292,6 +381,8 @@ class ProfileConfig:
     """Comma-separated context lengths to profile at."""
     repeats: int = 5
     """Repeats per (context length, k); medians are kept."""
+    batch_sizes: str = "1,2,4,8,16"
+    """Comma-separated batch sizes to profile (at the first context length); empty = none."""
     traces: bool = True
     """Also record greedy acceptance traces on the prompt set (real weights only)."""
     prompts: str | None = None
@@ -336,8 +427,15 @@ def profile_main(argv: list[str] | None = None) -> int:
         draft = ModelDrafter(draft_target.model, draft_target.name, target.vocab_size)
     else:
         draft = load_draft(cfg.draft, target, cfg.dtype)
-    bar = tqdm(total=len(lens) * cfg.repeats * (cfg.k_max + 1), desc="profile", disable=not cfg.progress, file=sys.stderr)
-    profile = profile_costs(target, draft, prompt_ids, cfg.k_max, lens, cfg.repeats, progress=bar)
+    try:
+        batch_sizes = [int(x) for x in cfg.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPilotError(f"--batch-sizes must be comma-separated integers, got '{cfg.batch_sizes}'") from None
+    if any(b < 1 for b in batch_sizes):
+        raise SpecPilotError(f"--batch-sizes must be >= 1, got '{cfg.batch_sizes}'")
+    bar = tqdm(total=(len(lens) + len(batch_sizes)) * cfg.repeats * (cfg.k_max + 1), desc="profile",
+               disable=not cfg.progress, file=sys.stderr)
+    profile = profile_costs(target, draft, prompt_ids, cfg.k_max, lens, cfg.repeats, progress=bar, batch_sizes=batch_sizes)
     bar.close()
     profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
                     "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
@@ -351,6 +449,9 @@ def profile_main(argv: list[str] | None = None) -> int:
     for c, row in zip(profile["context_lens"], profile["verify_s"]):
         print(f"  context {c:>5}: verify ms for k=0..{cfg.k_max}: " + " ".join(f"{1000 * s:.1f}" for s in row)
               + f" | draft ms/token {1000 * profile['draft_s_per_token'][profile['context_lens'].index(c)]:.2f}")
+    for b, row, d in zip(profile.get("batch_sizes", []), profile.get("batch_verify_s", []), profile.get("batch_draft_s_per_token", [])):
+        print(f"  batch {b:>3} (context {profile['batch_context_len']}): verify ms for k=0..{cfg.k_max}: "
+              + " ".join(f"{1000 * s:.1f}" for s in row) + f" | draft ms/position {1000 * d:.2f}")
     if cfg.traces and not cfg.target_config and not cfg.draft_config:
         prompts = load_prompts(cfg.prompts, "all")
         traces = [record_trace(target, draft, target.encode(p.text, chat=True), cfg.max_new_tokens, cfg.k_max,
@@ -375,4 +476,80 @@ def distill_main(argv: list[str] | None = None) -> int:
     from .distill import DistillConfig, distill
 
     distill(parse_config(DistillConfig, argv))
+    return 0
+
+
+@dataclass
+class ExportVllmConfig:
+    """Turn a length policy into vLLM's num_speculative_tokens_per_batch_size table for this device."""
+
+    policy: str = "learned"
+    """The policy to query: learned | learned:PATH | batch-table | static:K | heuristic."""
+    device: str = "auto"
+    """Device whose cost profile and policy are used: auto | cpu | a100 | h100 | ... (a device key)."""
+    draft: str = "default"
+    """The draft the table is for (names the traces file profiles/traces-DRAFT.json)."""
+    profile: str | None = None
+    """Cost profile (default: profiles/DEVICE.json; must include batch sizes)."""
+    traces: str | None = None
+    """Acceptance traces (default: profiles/traces-DRAFT.json); the train split gives the observations."""
+    max_batch: int = 16
+    """Largest batch size in the table (the last range ends here)."""
+    episodes: int = 8
+    """Replayed batches per batch size on which the policy is queried."""
+    k_max: int = DEFAULT_K_MAX
+    """Largest k."""
+    allow_device_mismatch: bool = False
+    """Accept a learned policy trained on another device."""
+    out: str | None = None
+    """JSON file to write (default: policies/DEVICE/vllm_table.json)."""
+
+
+def export_vllm_main(argv: list[str] | None = None) -> int:
+    import numpy as np
+
+    from .batch_table import BatchTableK, policy_to_table, vllm_ranges
+    from .oracle import CostModel, load_traces
+    from .policies import parse_policy
+
+    cfg = parse_config(ExportVllmConfig, argv)
+    if cfg.max_batch < 1:
+        raise SpecPilotError(f"--max-batch must be >= 1, got {cfg.max_batch}")
+    from .hardware import resolve_device
+
+    # no model runs here: any device's profile can be exported on any machine
+    device = resolve_device("auto")[0] if cfg.device == "auto" else cfg.device.strip().lower()
+    profile_path = Path(cfg.profile or f"profiles/{device}.json")
+    if not profile_path.exists():
+        raise SpecPilotError(f"no cost profile {profile_path}; run scripts/profile_device.py --device {device}")
+    profile = json.loads(profile_path.read_text())
+    if not profile.get("batch_sizes"):
+        raise SpecPilotError(f"the cost profile {profile_path} has no batch sizes; rerun scripts/profile_device.py")
+    from .models import draft_name
+
+    traces, meta = load_traces(cfg.traces or f"profiles/traces-{_slug(draft_name(cfg.draft))}.json")
+    traces = _train_traces(traces, meta)
+    if cfg.policy == "batch-table":
+        policy = BatchTableK.from_profile(profile, traces, cfg.k_max)
+    else:
+        policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device)
+    hardware = np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
+    chosen, counts = policy_to_table(policy, traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_batch,
+                                     hardware, cfg.episodes)
+    ranges = vllm_ranges(chosen, cfg.max_batch)
+    result = {
+        "num_speculative_tokens": max(1, max(k for _, _, k in ranges)),
+        "num_speculative_tokens_per_batch_size": ranges,
+        "device": device, "hardware_name": profile.get("hardware_name"), "policy": getattr(policy, "path", None) or cfg.policy,
+        "draft": meta.get("draft"), "target": meta.get("target"),
+        "k_chosen_per_batch_size": {str(b): counts[b] for b in counts},
+        "note": "inclusive [start_bs, end_bs, k] ranges; k = the policy's most frequent choice at that batch size "
+                "on replayed train-split traces (speculative_config.num_speculative_tokens_per_batch_size)",
+    }
+    out = Path(cfg.out or f"policies/{device}/vllm_table.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"num_speculative_tokens": result["num_speculative_tokens"],
+                      "num_speculative_tokens_per_batch_size": ranges}))
+    print(f"written: {out}")
     return 0

@@ -206,6 +206,14 @@ def check_same_tokenizer(target: Target, tokenizer, draft_name: str) -> None:
         )
 
 
+def draft_name(spec: str) -> str:
+    """The name `load_draft(spec)` gives its drafter (names trace files) without loading anything."""
+    name, _, arg = spec.partition(":")
+    if name == "ngram" and (not arg or arg.isdigit()):
+        return f"ngram:{arg or 3}"
+    return "default" if spec in ("default", "head") else spec
+
+
 def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter | None:
     """A drafter from its CLI spelling (see DRAFT_HELP); None for no draft."""
     if spec in (None, "", "none"):

@@ -113,20 +113,25 @@ class ObservationBuilder:
         v[i + 2] = self.last_k / self.k_max
         v[i + 3] = self.last_accepted / self.k_max
         i += 4
-        v[i] = math.log1p(state.length)
-        v[i + 1] = state.remaining / state.max_new_tokens
+        # a batch is described by the mean over its active rows (one sequence: that sequence)
+        rows = state.active_rows if getattr(state, "batch_size", 1) > 1 else [state]
+        ids = state.active if len(rows) > 1 else [0]
+        n = len(rows)
+        v[i] = sum(math.log1p(r.length) for r in rows) / n
+        v[i + 1] = sum(r.remaining / r.max_new_tokens for r in rows) / n
         v[i + 2] = self.confidence_last
         v[i + 3] = self.confidence_min
         v[i + 4] = self.entropy_last
         # what the drafter could propose right now (prompt lookup: the current n-gram match), else last step's
         peek = getattr(getattr(state, "draft", None), "peek", None)
         if peek is not None:
-            match_len, available = peek(state.context, self.k_max)
-            v[i + 5], v[i + 6] = match_len, available / self.k_max
+            peeks = [peek(r.context, self.k_max) if n == 1 else peek(r.context, self.k_max, row) for r, row in zip(rows, ids)]
+            v[i + 5] = sum(m for m, _ in peeks) / n
+            v[i + 6] = sum(a for _, a in peeks) / n / self.k_max
         else:
             v[i + 5], v[i + 6] = self.match_len, 1.0
-        v[i + 7] = repetition_rate(state.buffer[max(0, state.length - REPETITION_WINDOW) : state.length])
-        v[i + 8] = 0.0  # log(batch size 1)
+        v[i + 7] = sum(repetition_rate(r.buffer[max(0, r.length - REPETITION_WINDOW) : r.length]) for r in rows) / n
+        v[i + 8] = math.log(n)
         return v.copy()
 
 

@@ -51,12 +51,17 @@ def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_ma
     output = generate(target, None, NoSpeculation(), prompt_ids, max_new_tokens).token_ids
     full = torch.tensor(list(prompt_ids) + output, dtype=torch.long, device=target.device)
     n_prompt = len(prompt_ids)
+    hidden = None
+    if draft.needs_hidden:  # the target's last hidden states, as the loop would hand them over
+        hidden = target.model(input_ids=full[None], output_hidden_states=True).hidden_states[-1][0]
     draft.reset(full[:n_prompt])
     matches, available, confidences, entropies, match_lens = [], [], [], [], []
     greedy = Sampling()
     for i in range(len(output)):
         context = full[: n_prompt + i]
-        proposal = draft.propose(context, k_max, greedy, None)
+        at = context.shape[0] - 2  # the last position the target has processed before this step
+        proposal = draft.propose(context, k_max, greedy, None,
+                                 target_hidden=hidden[at : at + 1] if hidden is not None and at >= 0 else None)
         tokens = proposal.tokens.tolist()
         truth = output[i : i + k_max]
         m = 0
@@ -90,31 +95,67 @@ class CostModel:
     verify_s[c][k] for each profiled context length c, draft_s_per_token[c]; linear in context.
     """
 
-    def __init__(self, context_lens: list[int], verify_s: list[list[float]], draft_s_per_token: list[float]):
+    def __init__(self, context_lens: list[int], verify_s: list[list[float]], draft_s_per_token: list[float],
+                 batch_sizes: list[int] | None = None, batch_verify_s: list[list[float]] | None = None,
+                 batch_draft_s: list[float] | None = None):
         self.context_lens = np.asarray(context_lens, dtype=np.float64)
         self.verify_s = np.asarray(verify_s, dtype=np.float64)
         self.draft_s = np.asarray(draft_s_per_token, dtype=np.float64)
         self.k_max = self.verify_s.shape[1] - 1
-        self._buckets: dict[int, tuple[np.ndarray, float]] = {}
+        self._buckets: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
+        # batch scaling, measured at one context length: cost(b, k, c) = cost(1, k, c) * scale[b][k]
+        self.batch_sizes = list(batch_sizes or [1])
+        if batch_verify_s:
+            bv = np.asarray(batch_verify_s, dtype=np.float64)[:, : self.k_max + 1]
+            self.batch_scale = bv / bv[self.batch_sizes.index(1)] if 1 in self.batch_sizes else bv / bv[0]
+            bd = np.asarray(batch_draft_s or [0.0] * len(self.batch_sizes), dtype=np.float64)
+            base = bd[self.batch_sizes.index(1)] if 1 in self.batch_sizes else bd[0]
+            self.batch_draft_scale = bd / base if base > 0 else np.ones_like(bd)
+        else:
+            self.batch_scale = np.ones((1, self.k_max + 1))
+            self.batch_draft_scale = np.ones(1)
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.batch_sizes)
+
+    def _batch_factors(self, batch: int) -> tuple[np.ndarray, float]:
+        """(verify scale per k, draft scale) at a batch size, interpolated in log(batch)."""
+        if len(self.batch_sizes) == 1:
+            if batch != self.batch_sizes[0]:
+                raise SpecPilotError(f"the cost profile has no batch sizes; profile them (profile_device.py --batch-sizes)")
+            return self.batch_scale[0], float(self.batch_draft_scale[0])
+        x = np.log(np.asarray(self.batch_sizes, dtype=np.float64))
+        at = np.log(batch)
+        scale = np.array([np.interp(at, x, self.batch_scale[:, k]) for k in range(self.k_max + 1)])
+        return scale, float(np.interp(at, x, self.batch_draft_scale))
 
     BUCKET = 32
     """Contexts are looked up at the middle of 32-token buckets (memoised: the DP and the replay env
     ask for the same context lengths over and over)."""
 
-    def step_costs(self, context_len: int) -> tuple[np.ndarray, float]:
-        """(step seconds for k = 0..k_max, draft seconds per token) at this context length."""
-        bucket = int(context_len) // self.BUCKET
-        if bucket not in self._buckets:
-            c = bucket * self.BUCKET + self.BUCKET // 2
-            self._buckets[bucket] = (self.table(c), float(np.interp(c, self.context_lens, self.draft_s)))
-        return self._buckets[bucket]
+    def step_costs(self, context_len: int, batch: int = 1) -> tuple[np.ndarray, float]:
+        """(step seconds for k = 0..k_max, draft seconds per token) at this context length and batch size."""
+        key = (int(context_len) // self.BUCKET, int(batch))
+        if key not in self._buckets:
+            c = key[0] * self.BUCKET + self.BUCKET // 2
+            draft = float(np.interp(c, self.context_lens, self.draft_s))
+            if batch == 1:
+                self._buckets[key] = (self.table(c), draft)
+            else:
+                scale, draft_scale = self._batch_factors(batch)
+                verify = np.array([np.interp(c, self.context_lens, self.verify_s[:, k]) for k in range(self.k_max + 1)])
+                draft *= draft_scale
+                self._buckets[key] = (verify * scale + draft * np.arange(self.k_max + 1), draft)
+        return self._buckets[key]
 
     @classmethod
     def from_profile(cls, profile: dict) -> "CostModel":
-        return cls(profile["context_lens"], profile["verify_s"], profile["draft_s_per_token"])
+        return cls(profile["context_lens"], profile["verify_s"], profile["draft_s_per_token"],
+                   profile.get("batch_sizes"), profile.get("batch_verify_s"), profile.get("batch_draft_s_per_token"))
 
     def table(self, context_len: int) -> np.ndarray:
-        """Step seconds for k = 0..k_max at this context length."""
+        """Step seconds for k = 0..k_max at this context length (one sequence)."""
         c = float(context_len)
         verify = np.array([np.interp(c, self.context_lens, self.verify_s[:, k]) for k in range(self.k_max + 1)])
         draft = np.interp(c, self.context_lens, self.draft_s)

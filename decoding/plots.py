@@ -65,3 +65,28 @@ def plot_benchmark(summary: dict, runs, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_batch_benchmark(summary: dict, path: str | Path) -> None:
+    """Left: tokens/s of all rows vs batch size per policy. Right: speedup over plain at each batch size."""
+    plt = _pyplot()
+    sizes = summary["batch_sizes"]
+    colors = plt.get_cmap("tab20").colors
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for j, policy in enumerate(summary["policies"]):
+        cells = [summary["table"][str(b)][policy] for b in sizes]
+        style = {"marker": "o", "color": colors[j % len(colors)], "label": policy, "lw": 2.2 if policy == "learned" else 1.2}
+        ax1.plot(sizes, [c["tokens_per_s"] for c in cells], **style)
+        ax2.plot(sizes, [c["speedup"] for c in cells], **style)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+    ax1.set_ylabel("tokens/s (all rows)")
+    ax2.set_ylabel("speedup over plain decoding at that batch size")
+    ax2.axhline(1.0, color="black", lw=0.8)
+    ax2.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -81,7 +81,7 @@ class ConfidenceStop(LengthPolicy):
         return self.k_max
 
 
-POLICY_HELP = "none | static:K | heuristic | confidence:T | learned | learned:PATH"
+POLICY_HELP = "none | static:K | heuristic | confidence:T | learned | learned:PATH (benchmark also: oracle, batch-table)"
 
 
 def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> LengthPolicy:

@@ -32,26 +32,26 @@ class FixedMonitor:
 
 
 class TracedDraft:
-    """Answers the observation builder's `peek` from the trace, as the live drafter would."""
+    """Answers the observation builder's `peek` from the traces, as the live drafter would."""
 
-    def __init__(self, trace: Trace):
-        self.trace = trace
-        self.state: "ReplayState | None" = None
+    def __init__(self, state: "ReplayState"):
+        self.state = state
 
-    def peek(self, context, k: int) -> tuple[int, int]:
-        i = self.state.length - self.state.prompt_len
-        if i >= len(self.trace.available):  # the episode has ended
+    def peek(self, context, k: int, row: int = 0) -> tuple[int, int]:
+        r = self.state.rows[row]
+        i = r.length - r.prompt_len
+        if i >= len(r.trace.available):  # the episode has ended
             return 0, 0
-        return (self.trace.match_lens[i] if self.trace.match_lens else 0), min(k, self.trace.available[i])
+        return (r.trace.match_lens[i] if r.trace.match_lens else 0), min(k, r.trace.available[i])
 
 
 @dataclass
-class ReplayState:
+class ReplayRow:
+    trace: Trace
     buffer: np.ndarray
     length: int
     prompt_len: int
     max_new_tokens: int
-    draft: TracedDraft | None = None
     done: bool = False
 
     @property
@@ -67,16 +67,76 @@ class ReplayState:
         return self.buffer[self.prompt_len : self.length].tolist()
 
 
+@dataclass
+class ReplayState:
+    """The replayed batch (usually one row), shaped like decoding.loop.DecodeState for the observer."""
+
+    rows: list[ReplayRow]
+    active: list[int]
+    draft: TracedDraft | None = None
+
+    @property
+    def active_rows(self) -> list[ReplayRow]:
+        return [self.rows[i] for i in self.active]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.active)
+
+    @property
+    def done(self) -> bool:
+        return not self.active
+
+    @property
+    def remaining(self) -> int:
+        return max(r.remaining for r in self.active_rows) if self.active else 0
+
+    # one sequence reads like its row
+    @property
+    def length(self) -> int:
+        return self.rows[0].length
+
+    @property
+    def prompt_len(self) -> int:
+        return self.rows[0].prompt_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.rows[0].max_new_tokens
+
+    @property
+    def buffer(self) -> np.ndarray:
+        return self.rows[0].buffer
+
+    @property
+    def context(self) -> np.ndarray:
+        return self.rows[0].context
+
+    @property
+    def generated(self) -> list[int]:
+        return self.rows[0].generated
+
+
 class ReplayEnv(gym.Env):
+    """With `batch_sizes`, each episode draws a batch size and that many traces: one k per step for
+    the batch, each row accepting min(k, a_r, m_r) tokens, the step costing the profiled batch cost of
+    the widest row's draft; the reward is then in plain batch steps at that batch size."""
+
     metadata = {"render_modes": []}
 
     def __init__(self, traces: list[Trace], cost: CostModel, k_max: int = 8, noise: float = 0.05,
-                 hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved"):
+                 hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved",
+                 batch_sizes: tuple[int, ...] | list[int] = (1,)):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
         if cost.k_max < k_max:
             raise SpecPilotError(f"the cost profile covers k <= {cost.k_max}, the env needs k_max = {k_max}")
+        self.batch_sizes = [int(b) for b in batch_sizes]
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise SpecPilotError(f"batch sizes must be >= 1, got {batch_sizes}")
+        if max(self.batch_sizes) > 1 and cost.max_batch == 1:
+            raise SpecPilotError("the cost profile has no batch sizes; run scripts/profile_device.py --batch-sizes 1,2,4,8,16")
         self.traces, self.cost, self.k_max, self.noise = traces, cost, k_max, noise
         self.max_new_tokens, self.reward = max_new_tokens, reward
         from decoding.hardware import HW_FEATURES
@@ -87,47 +147,76 @@ class ReplayEnv(gym.Env):
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state: ReplayState | None = None
 
+    def _row(self, trace: Trace) -> ReplayRow:
+        n = len(trace.output_ids) if self.max_new_tokens is None else min(self.max_new_tokens, len(trace.output_ids))
+        return ReplayRow(trace, np.asarray(trace.prompt_ids + trace.output_ids, dtype=np.int64), len(trace.prompt_ids),
+                         len(trace.prompt_ids), n)
+
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
-        index = int(options["trace_index"]) if options and "trace_index" in options else int(self.np_random.integers(len(self.traces)))
-        self.trace = trace = self.traces[index]
-        n = len(trace.output_ids) if self.max_new_tokens is None else min(self.max_new_tokens, len(trace.output_ids))
-        self.state = ReplayState(np.asarray(trace.prompt_ids + trace.output_ids, dtype=np.int64), len(trace.prompt_ids),
-                                 len(trace.prompt_ids), n, TracedDraft(trace))
-        self.state.draft.state = self.state
+        options = options or {}
+        if "trace_indices" in options:
+            indices = [int(i) for i in options["trace_indices"]]
+        elif "trace_index" in options:
+            indices = [int(options["trace_index"])]
+        else:
+            batch = int(options.get("batch_size", 0)) or (
+                self.batch_sizes[0] if len(self.batch_sizes) == 1 else int(self.np_random.choice(self.batch_sizes)))
+            indices = [int(i) for i in self.np_random.integers(len(self.traces), size=batch)]
+        rows = [self._row(self.traces[i]) for i in indices]
+        self.trace = rows[0].trace
+        self.state = ReplayState(rows, list(range(len(rows))))
+        self.state.draft = TracedDraft(self.state)
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
-        return self.observer.build(self.state), {"question_id": trace.question_id, "category": trace.category}
+        info = {"question_id": self.trace.question_id, "category": self.trace.category, "batch_size": len(rows)}
+        return self.observer.build(self.state), info
 
     def step(self, action):
-        state, trace = self.state, self.trace
+        state = self.state
         if state is None or state.done:
             raise SpecPilotError("call reset() before step() (the episode has ended)")
-        i = state.length - state.prompt_len
+        rows = state.active_rows
+        batch = len(rows)
         k = max(0, min(int(action), state.remaining - 1))
-        drafted = min(k, trace.available[i])
-        accepted = min(drafted, trace.matches[i])
-        table, draft_per_token = self.cost.step_costs(state.length)
+        drafted_rows, accepted_rows, new_rows = [], [], []
+        for r in rows:
+            i = r.length - r.prompt_len
+            drafted = min(k, r.trace.available[i])
+            drafted_rows.append(drafted)
+            accepted_rows.append(min(drafted, r.trace.matches[i]))
+        drafted = max(drafted_rows)  # rows with fewer proposals are padded to the widest
+        context = sum(r.length for r in rows) / batch
+        table, draft_per_token = self.cost.step_costs(context, batch)
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         seconds = table[drafted] * noise
         draft_s = min(draft_per_token * drafted * noise, seconds)
-        n_new = min(accepted + 1, state.remaining)
-        new_tokens = state.buffer[state.length : state.length + n_new].tolist()
-        step = StepResult(k=drafted, k_requested=int(action), accepted=accepted, new_tokens=new_tokens,
+        first = rows[0].trace, rows[0].length - rows[0].prompt_len
+        for r, accepted in zip(rows, accepted_rows):
+            n_new = min(accepted + 1, r.remaining)
+            new_rows.append(r.buffer[r.length : r.length + n_new].tolist())
+            r.length += n_new
+            r.done = r.remaining <= 0
+        trace, i = first
+        step = StepResult(k=drafted, k_requested=int(action),
+                          accepted=accepted_rows[0] if batch == 1 else sum(accepted_rows) / batch,
+                          new_tokens=[t for new in new_rows for t in new],
                           draft_s=draft_s, verify_s=seconds - draft_s,
-                          confidences=trace.confidences[i][:drafted] if trace.confidences else [],
-                          entropies=trace.entropies[i][:drafted] if trace.entropies else [],
-                          match_len=trace.match_lens[i] if trace.match_lens else 0, context_len=state.length)
-        state.length += n_new
-        state.done = state.remaining <= 0
+                          confidences=trace.confidences[i][:drafted] if trace.confidences and batch == 1 else [],
+                          entropies=trace.entropies[i][:drafted] if trace.entropies and batch == 1 else [],
+                          match_len=trace.match_lens[i] if trace.match_lens else 0, context_len=round(context),
+                          accepted_rows=accepted_rows, new_rows=new_rows)
+        state.active = [j for j in state.active if not state.rows[j].done]
         self.observer.push(step)
         self.last_step = step
         plain = table[0]
-        reward = step_reward(n_new, seconds, plain, self.reward)
-        self.episode.add(n_new, seconds, plain * n_new, drafted, accepted)
-        info = {"k": drafted, "accepted": accepted, "tokens": n_new, "seconds": seconds, "tokens_per_s": n_new / seconds}
+        tokens = len(step.new_tokens)
+        reward = step_reward(tokens / batch, seconds, plain, self.reward)
+        self.episode.add(tokens, seconds, plain * tokens / batch, drafted * batch, sum(accepted_rows))
+        info = {"k": drafted, "accepted": step.accepted, "tokens": tokens, "seconds": seconds,
+                "tokens_per_s": tokens / seconds, "batch_size": batch}
         if state.done:
-            info["spec_episode"] = self.episode.summary(trace.category)
+            info["spec_episode"] = self.episode.summary(self.trace.category)
         return self.observer.build(state), float(reward), state.done, False, info
 
 

@@ -4,7 +4,9 @@
 observation builder (`decoding.observation`); `step(action)` runs exactly one `speculative_step` with
 k = action. The reward is measured against plain decoding on this device at the step's context
 length (see `env.episode.step_reward`): by default the plain steps the step saved; with
-reward="speedup" the step's speedup (tokens / seconds / plain tokens per second).
+reward="speedup" the step's speedup (tokens / seconds / plain tokens per second). With `batch_sizes`,
+each episode draws a batch size and that many prompts, decodes them together, and the reward counts
+tokens of all rows against a plain step of that many rows (tokens / B vs. plain seconds at B).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class SpecDecodeEnv(gym.Env):
         observer: ObservationBuilder | None = None,
         encoded: list[list[int]] | None = None,
         reward: str = "saved",
+        batch_sizes: tuple[int, ...] | list[int] = (1,),
     ):
         super().__init__()
         if target is None:  # gym.make with no arguments: the embedded pair
@@ -52,7 +55,10 @@ class SpecDecodeEnv(gym.Env):
         self.k_max, self.max_new_tokens, self.sampling, self.reward = k_max, max_new_tokens, sampling, reward
         # token ids of the prompts (given, or encoded here with the target's tokenizer)
         self._encoded = encoded if encoded is not None else [target.encode(p.text, chat=chat) for p in self.prompts]
-        self.plain_speed = plain_speed or measure_plain_speed(target, self._encoded[0])
+        self.batch_sizes = [int(b) for b in batch_sizes]
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise SpecPilotError(f"batch sizes must be >= 1, got {batch_sizes}")
+        self.plain_speed = plain_speed or measure_plain_speed(target, self._encoded[0], batch_sizes=self.batch_sizes)
         self.observer = observer or ObservationBuilder(k_max)
         self.action_space = gym.spaces.Discrete(k_max + 1)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
@@ -61,27 +67,36 @@ class SpecDecodeEnv(gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
-        index = int(options["prompt_index"]) if options and "prompt_index" in options else int(self.np_random.integers(len(self.prompts)))
-        self.prompt = self.prompts[index]
-        prompt_ids = self._encoded[index]
+        options = options or {}
+        if len(self.batch_sizes) == 1 and self.batch_sizes[0] == 1 or "prompt_index" in options:
+            index = int(options["prompt_index"]) if "prompt_index" in options else int(self.np_random.integers(len(self.prompts)))
+            indices = [index]
+            prompt_ids = self._encoded[index]
+        else:  # a batch: a batch size for the episode, then that many prompts
+            batch = int(options.get("batch_size", 0)) or int(self.np_random.choice(self.batch_sizes))
+            indices = [int(i) for i in self.np_random.integers(len(self.prompts), size=batch)]
+            prompt_ids = [self._encoded[i] for i in indices]
+        self.prompt = self.prompts[indices[0]]
         self.state = start(self.target, self.draft, prompt_ids, self.max_new_tokens, self.sampling,
                            seed=int(self.np_random.integers(2**31)))
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
-        return self.observer.build(self.state), {"question_id": self.prompt.question_id, "category": self.prompt.category}
+        return self.observer.build(self.state), {"question_id": self.prompt.question_id, "category": self.prompt.category,
+                                                 "batch_size": len(indices)}
 
     def step(self, action):
         if self.state is None or self.state.done:
             raise SpecPilotError("call reset() before step() (the episode has ended)")
         step = speculative_step(self.state, int(action))
         self.observer.push(step)
-        tokens = len(step.new_tokens)
+        tokens, batch = len(step.new_tokens), step.batch_size
         seconds = max(step.seconds, 1e-9)
-        plain_step = self.plain_speed.step_seconds(step.context_len)
-        reward = step_reward(tokens, seconds, plain_step, self.reward)
-        self.episode.add(tokens, seconds, plain_step * tokens, step.k, step.accepted)
+        plain_step = self.plain_speed.step_seconds(step.context_len, batch)  # a plain step of `batch` rows
+        reward = step_reward(tokens / batch, seconds, plain_step, self.reward)
+        self.episode.add(tokens, seconds, plain_step * tokens / batch, step.k * batch, sum(step.accepted_rows))
         terminated = self.state.done
-        info = {"k": step.k, "accepted": step.accepted, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        info = {"k": step.k, "accepted": step.accepted, "tokens": tokens, "seconds": seconds,
+                "tokens_per_s": tokens / seconds, "batch_size": batch}
         if terminated:
             info["spec_episode"] = self.episode.summary(self.prompt.category)
         return self.observer.build(self.state), float(reward), terminated, False, info

@@ -1,0 +1,108 @@
+"""BatchTableK: Cohere's hardware-aware dynamic speculation (vLLM's num_speculative_tokens_per_batch_size).
+
+For each profiled batch size b, the k maximising the profiled goodput
+    goodput(b, k) = b * E[tokens per row per step | k] / step_seconds(b, k)
+where the expected tokens per step come from the draft's recorded acceptance (train-split traces:
+E[min(k, a(i), m(i)) + 1] over positions) and the step seconds from the device's cost profile at
+that batch size. A batch size between two profiled ones uses the smaller one's k (vLLM's ranges).
+The table sees only the batch size: not the text, the context or the counters.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import SpecPilotError
+from .observation import FEATURES
+from .oracle import CostModel, Trace
+from .policies import LengthPolicy
+
+BATCH_FEATURE = FEATURES.index("batch_size_log")
+
+
+def expected_tokens(traces: list[Trace], k_max: int) -> np.ndarray:
+    """E[tokens appended per row per step] for k = 0..k_max over every traced position."""
+    matches = np.array([m for t in traces for m in t.matches], dtype=np.int64)
+    available = np.array([a for t in traces for a in t.available], dtype=np.int64)
+    if matches.size == 0:
+        raise SpecPilotError("no traced positions to estimate acceptance from")
+    return np.array([np.minimum(np.minimum(k, available), matches).mean() + 1.0 for k in range(k_max + 1)])
+
+
+def goodput_table(cost: CostModel, traces: list[Trace], k_max: int, context_len: int,
+                  batch_sizes: list[int]) -> dict[int, np.ndarray]:
+    """{b: goodput in tokens/s for k = 0..k_max}."""
+    tokens = expected_tokens(traces, k_max)
+    return {b: b * tokens / cost.step_costs(context_len, b)[0][: k_max + 1] for b in batch_sizes}
+
+
+class BatchTableK(LengthPolicy):
+    name = "batch-table"
+
+    def __init__(self, table: dict[int, int], k_max: int):
+        if not table:
+            raise SpecPilotError("BatchTableK needs at least one (batch size, k) entry")
+        self.table = dict(sorted((int(b), int(k)) for b, k in table.items()))
+        self.k_max = k_max
+
+    def k_for(self, batch: int) -> int:
+        k = next(iter(self.table.values()))
+        for size, value in self.table.items():
+            if size <= batch:
+                k = value
+        return k
+
+    def choose_k(self, obs) -> int:
+        return self.k_for(int(round(math.exp(float(obs[BATCH_FEATURE])))))
+
+    @classmethod
+    def from_profile(cls, profile: dict, traces: list[Trace], k_max: int) -> "BatchTableK":
+        cost = CostModel.from_profile(profile)
+        sizes = profile.get("batch_sizes") or [1]
+        context = profile.get("batch_context_len") or profile["context_lens"][0]
+        goodput = goodput_table(cost, traces, min(k_max, cost.k_max), context, sizes)
+        policy = cls({b: int(np.argmax(g)) for b, g in goodput.items()}, k_max)
+        policy.goodput = {b: g.round(3).tolist() for b, g in goodput.items()}
+        return policy
+
+
+def vllm_ranges(k_by_batch: dict[int, int], max_batch: int) -> list[list[int]]:
+    """[[start_bs, end_bs, k], ...] (inclusive ranges) covering 1..max_batch, equal neighbours merged."""
+    ranges: list[list[int]] = []
+    for b in range(1, max_batch + 1):
+        k = k_by_batch[b]
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = b
+        else:
+            ranges.append([b, b, k])
+    return ranges
+
+
+def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, max_batch: int,
+                    hardware=None, episodes: int = 8, seed: int = 0) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
+    """Query a policy on representative observations per batch size: run it in the noise-free replay
+    env (the observation builder of training and inference) on `episodes` batches of recorded traces
+    at each batch size 1..max_batch and keep the k it chooses most often. Returns ({b: k}, {b: {k: steps}})."""
+    from collections import Counter
+
+    from env.replay_env import ReplayEnv
+
+    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=list(range(1, max_batch + 1)))
+    rng = np.random.default_rng(seed)
+    chosen, counts = {}, {}
+    for b in range(1, max_batch + 1):
+        tally: Counter = Counter()
+        for _ in range(episodes):
+            obs, _ = env.reset(options={"trace_indices": rng.integers(len(traces), size=b).tolist()})
+            policy.reset()
+            done = False
+            while not done:
+                k = policy.choose_k(obs)
+                if env.state.batch_size == b:  # rows that finish shrink the batch: count full-size steps only
+                    tally[k] += 1
+                obs, _, done, _, _ = env.step(k)
+                policy.update(env.last_step)
+        counts[b] = dict(sorted(tally.items()))
+        chosen[b] = max(tally, key=lambda k: (tally[k], -k)) if tally else 0
+    return chosen, counts

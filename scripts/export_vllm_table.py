@@ -1,0 +1,8 @@
+#!/usr/bin/env python
+"""Export a length policy as vLLM's per-batch-size k table; see `python scripts/export_vllm_table.py --help`."""
+import sys
+
+from decoding.cli import export_vllm_main, run_cli
+
+if __name__ == "__main__":
+    sys.exit(run_cli(export_vllm_main))
