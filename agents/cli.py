@@ -42,7 +42,7 @@ class TrainConfig:
     resume: bool = False
     """Continue a killed run from its last checkpoint in OUT/DEVICE/run/checkpoints."""
     out: str = "policies"
-    """Root folder: the policy goes to OUT/DEVICE/policy.{json,safetensors}, the run to OUT/DEVICE/run/."""
+    """Root folder: the policy goes to OUT/DEVICE/DRAFT/policy.{json,safetensors}, the run to OUT/DEVICE/DRAFT/run/."""
     hp: list[str] = field(default_factory=list)
     """Hyperparameter override KEY=VALUE (repeatable), e.g. --hp n_steps=128."""
     eval_per_category: int = 1
@@ -123,7 +123,9 @@ def train_main(argv: list[str] | None = None) -> int:
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
-    out = Path(cfg.out) / device_key
+    from decoding.cli import _slug
+
+    out = Path(cfg.out) / device_key / _slug(draft.name)
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     speed_path = run_dir / "plain_speed.json"
@@ -160,7 +162,7 @@ def train_main(argv: list[str] | None = None) -> int:
     meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
                               check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
                               activation=str(hp["activation"]))
-    learned = LearnedK.load(meta_path, device=device_key)
+    learned = LearnedK.load(meta_path, device=device_key, draft=draft.name)
     print(f"specpilot: exported {meta_path} (checked against SB3's actions); one decision takes "
           f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
     if not test_prompts:

@@ -84,8 +84,10 @@ def generate_main(argv: list[str] | None = None) -> int:
     target = load_target(cfg.target, cfg.dtype, cfg.device)
     from .hardware import device_of
 
+    from .models import draft_name
+
     policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch,
-                          device=device_of(str(target.device))[0])
+                          device=device_of(str(target.device))[0], draft=draft_name(cfg.draft))
     draft = load_draft(cfg.draft, target, cfg.dtype) if policy.k_max > 0 else None
     prompt_ids = target.encode(cfg.prompt, chat=cfg.chat)
     window = target.context_window
@@ -328,7 +330,8 @@ def benchmark_main(argv: list[str] | None = None) -> int:
         elif n == "batch-table":
             policies[n] = _batch_table(cfg, device_key, draft, sampling)
         else:
-            policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key)
+            policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key,
+                                       draft=draft.name)
     if cfg.replay:
         return _replay_benchmark(cfg, device_key, draft, sampling, policies, prompts)
     if cfg.batch_sizes:
@@ -502,7 +505,7 @@ class ExportVllmConfig:
     allow_device_mismatch: bool = False
     """Accept a learned policy trained on another device."""
     out: str | None = None
-    """JSON file to write (default: policies/DEVICE/vllm_table.json)."""
+    """JSON file to write (default: policies/DEVICE/DRAFT/vllm_table.json, beside the policy)."""
 
 
 def export_vllm_main(argv: list[str] | None = None) -> int:
@@ -532,7 +535,8 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
     if cfg.policy == "batch-table":
         policy = BatchTableK.from_profile(profile, traces, cfg.k_max)
     else:
-        policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device)
+        policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device,
+                              draft=draft_name(cfg.draft))
     hardware = np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
     chosen, counts = policy_to_table(policy, traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_batch,
                                      hardware, cfg.episodes)
@@ -546,7 +550,7 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
         "note": "inclusive [start_bs, end_bs, k] ranges; k = the policy's most frequent choice at that batch size "
                 "on replayed train-split traces (speculative_config.num_speculative_tokens_per_batch_size)",
     }
-    out = Path(cfg.out or f"policies/{device}/vllm_table.json")
+    out = Path(cfg.out or f"policies/{device}/{_slug(draft_name(cfg.draft))}/vllm_table.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"num_speculative_tokens": result["num_speculative_tokens"],

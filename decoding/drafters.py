@@ -194,17 +194,106 @@ class ModelDrafter:
             crop_cache(self.cache, length)
             self.cached = length
 
+    # batched decoding: the draft's own cache has one row per active sequence and, like the target's,
+    # masked holes where a row's tokens were rejected (or padded); `_pos` holds each slot's sequence
+    # position (-1 = hole), `_valid[i]` how many leading tokens of row i the cache holds
+    def reset_batch(self, contexts: list[torch.Tensor]) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+        n = len(contexts)
+        self._rows = list(range(n))
+        self._valid = [0] * n
+        self._mask = torch.zeros(n, 0, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(n, 0, dtype=torch.long, device=self.device)
+
+    def _select(self, rows: list[int]) -> None:
+        """Follow the loop's active rows (finished rows are dropped from the cache)."""
+        if rows == self._rows:
+            return
+        index = [self._rows.index(r) for r in rows]
+        at = torch.tensor(index, device=self.device)
+        self.cache.batch_select_indices(at)
+        self._mask, self._pos = self._mask[at], self._pos[at]
+        self._valid = [self._valid[i] for i in index]
+        self._rows = list(rows)
+
+    def _batch_logits(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        mask = torch.cat([self._mask, valid], dim=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0), use_cache=True,
+                         logits_to_keep=1, **{cache_kwarg(self.model): self.cache})
+        self._mask = mask
+        self._pos = torch.cat([self._pos, positions.masked_fill(valid == 0, -1)], dim=1)
+        return self._fit(out.logits[:, -1].float())
+
+    def rollback_batch(self, lengths: list[int], rows: list[int]) -> None:
+        self._select(rows)
+        keep = torch.tensor(lengths, device=self.device)[:, None]
+        beyond = self._pos >= keep
+        self._mask = self._mask.masked_fill(beyond, 0)
+        self._pos = self._pos.masked_fill(beyond, -1)
+        self._valid = [min(v, n) for v, n in zip(self._valid, lengths)]
+        used = self._mask.any(dim=0).nonzero()
+        slots = int(used[-1]) + 1 if used.numel() else 0
+        if slots < self._mask.shape[1]:
+            crop_cache(self.cache, slots)
+            self._mask, self._pos = self._mask[:, :slots], self._pos[:, :slots]
+
+    @torch.inference_mode()
+    def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None) -> Draft:
+        rows = list(rows) if rows is not None else list(range(len(contexts)))
+        self._select(rows)
+        device = contexts[0].device
+        n = len(contexts)
+        if k <= 0:
+            return Draft(tokens=torch.empty(n, 0, dtype=torch.long, device=device))
+        feeds = [c[v:].to(self.device) for c, v in zip(contexts, self._valid)]
+        width = max(f.shape[0] for f in feeds)
+        ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        valid = torch.zeros_like(ids)
+        positions = torch.zeros_like(ids)
+        for i, (f, v) in enumerate(zip(feeds, self._valid)):  # right-aligned: pads (holes) first
+            m = f.shape[0]
+            ids[i, width - m :] = f
+            valid[i, width - m :] = 1
+            positions[i, width - m :] = torch.arange(v, v + m, device=self.device)
+        logits = self._batch_logits(ids, valid, positions)
+        self._valid = [c.shape[0] for c in contexts]
+        tokens, probs, confidences, entropies = [], [], [], []
+        for j in range(k):
+            p = probs_from_logits(logits, sampling)
+            top = p.max(dim=-1).values
+            if stop_below is not None and float(top.max()) < stop_below:
+                break
+            token = p.argmax(dim=-1) if sampling.greedy else sample(p, generator)
+            tokens.append(token)
+            confidences.append(float(top.mean()))
+            entropies.append(sum(entropy_of(q) for q in p) / n)
+            if not sampling.greedy:
+                probs.append(p)
+            if j == k - 1:
+                break
+            at = torch.tensor(self._valid, device=self.device)[:, None]
+            logits = self._batch_logits(token[:, None], torch.ones_like(token)[:, None], at)
+            self._valid = [v + 1 for v in self._valid]
+        if not tokens:
+            return Draft(tokens=torch.empty(n, 0, dtype=torch.long, device=device))
+        return Draft(tokens=torch.stack(tokens, dim=1).to(device),
+                     probs=torch.stack(probs, dim=1).to(device) if probs else None,
+                     confidences=confidences, entropies=entropies)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """Cut or pad the draft's logits to the target's vocabulary width."""
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        if width < self.vocab_size:
+            return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        return logits
+
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids[None].to(self.device), use_cache=True, logits_to_keep=1,
                          **{cache_kwarg(self.model): self.cache})
         self.cached += ids.shape[0]
-        logits = out.logits[0, -1].float()
-        width = logits.shape[-1]
-        if width > self.vocab_size:
-            logits = logits[: self.vocab_size]
-        elif width < self.vocab_size:
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
-        return logits
+        return self._fit(out.logits[0, -1].float())
 
     @torch.inference_mode()
     def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:

@@ -19,15 +19,20 @@ FORMAT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def default_policy_path(device_key: str) -> Path:
-    """policies/<device>/policy.json in the working directory, else in the repository."""
+def default_policy_path(device_key: str, draft: str | None = None) -> Path:
+    """policies/<device>/<draft>/policy.json (one policy per device and drafter) in the working
+    directory, else in the repository."""
+    import re
+
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", draft).strip("-").lower() if draft else "*"
     for root in (Path.cwd(), REPO_ROOT):
-        path = root / "policies" / device_key / "policy.json"
-        if path.exists():
-            return path
+        found = sorted((root / "policies" / device_key).glob(f"{slug}/policy.json"))
+        if found:
+            return found[0]
     raise SpecPilotError(
-        f"no learned policy for device '{device_key}' (looked for policies/{device_key}/policy.json); "
-        f"train one with: python scripts/train_policy.py --device {device_key}"
+        f"no learned policy for device '{device_key}'" + (f" and draft '{draft}'" if draft else "")
+        + f" (looked for policies/{device_key}/{slug}/policy.json); train one with: "
+        f"python scripts/train_policy.py --device {device_key}" + (f" --draft {draft}" if draft else "")
     )
 
 
@@ -48,12 +53,16 @@ class LearnedK(LengthPolicy):
         self.layers = [(weights[f"{name}.weight"].astype(np.float64), weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
 
     @classmethod
-    def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None) -> "LearnedK":
-        """Load policy.json (+ policy.safetensors beside it); `path` may be either file or their folder."""
+    def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None,
+             draft: str | None = None) -> "LearnedK":
+        """Load policy.json (+ policy.safetensors beside it); `path` may be either file or their folder.
+
+        `draft`: the drafter it will run with; a policy trained with another drafter is refused (its
+        acceptance features mean something else)."""
         from .hardware import resolve_device
 
         here = device or resolve_device("auto")[0]
-        path = Path(path) if path else default_policy_path(here)
+        path = Path(path) if path else default_policy_path(here, draft)
         if path.is_dir():
             path = path / "policy.json"
         if path.suffix == ".safetensors":
@@ -81,6 +90,12 @@ class LearnedK(LengthPolicy):
             raise SpecPilotError(
                 f"policy {path} was trained on device '{meta.get('device')}' ({meta.get('hardware_name')}), this is "
                 f"'{here}'; retrain with --device {here} or pass --allow-device-mismatch"
+            )
+        trained_with = meta.get("draft")
+        if draft is not None and trained_with and trained_with != draft:
+            raise SpecPilotError(
+                f"policy {path} was trained with draft '{trained_with}', not '{draft}'; use --draft matching it, "
+                f"pass learned:PATH of a policy for '{draft}', or retrain with --draft"
             )
         weights_path = path.with_suffix(".safetensors")
         try:

@@ -224,7 +224,7 @@ def start(
         cache=DynamicCache(config=target.model.config), generator=generator,
         active=list(range(len(rows))), batched=batched,
     )
-    if draft is not None and len(rows) > 1 and not hasattr(draft, "propose_batch"):
+    if draft is not None and batched and not hasattr(draft, "propose_batch"):
         raise SpecPilotError(f"the draft '{draft.name}' does not support batched decoding; use ngram or the draft head")
     synchronize(device)
     t0 = time.perf_counter()
@@ -236,10 +236,10 @@ def start(
     else:
         _prefill_batch(state)
     if draft is not None:
-        if len(rows) == 1:
-            draft.reset(state.context)
-        else:
+        if batched:
             draft.reset_batch([r.context for r in rows])
+        else:
+            draft.reset(state.context)
     synchronize(device)
     state.prefill_s = time.perf_counter() - t0
     return state

@@ -128,6 +128,9 @@ def _draft_cost_batch(draft, state, k_max: int, repeats: int) -> float:
         hidden = out.hidden_states[-1][:, -1]
     draft.reset_batch(contexts)
     rows = list(range(len(contexts)))
+    confirmed = [c.shape[0] - 1 for c in contexts]
+    draft.propose_batch(contexts, 1, Sampling(), None, target_hidden=hidden, rows=rows)  # the draft's own prefill
+    draft.rollback_batch(confirmed, rows)
     per_token = []
     for _ in range(repeats):
         synchronize(state.target.device)
@@ -136,6 +139,7 @@ def _draft_cost_batch(draft, state, k_max: int, repeats: int) -> float:
         synchronize(state.target.device)
         if proposal.tokens.shape[1]:
             per_token.append((time.perf_counter() - t0) / proposal.tokens.shape[1])
+        draft.rollback_batch(confirmed, rows)
     return statistics.median(per_token) if per_token else 0.0
 
 

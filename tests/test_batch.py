@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import RandomK, plain_greedy, tiny_llama, tiny_target
+from conftest import RandomK, perturbed_copy, plain_greedy, tiny_llama, tiny_target
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.errors import SpecPilotError
 from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
@@ -36,11 +36,13 @@ def head_draft(model, seed=0):
 
 
 def batch_drafters(model):
-    return {"ngram": NgramDrafter(3), "head": head_draft(model)}
+    return {"ngram": NgramDrafter(3), "head": head_draft(model),
+            "lm": ModelDrafter(perturbed_copy(model, 0.1), "perturbed", model.config.vocab_size),
+            "identical": ModelDrafter(model, "identical", model.config.vocab_size)}
 
 
 @pytest.mark.parametrize("policy", ["none", "static:2", "static:6", "heuristic"])
-@pytest.mark.parametrize("drafter", ["ngram", "head"])
+@pytest.mark.parametrize("drafter", ["ngram", "head", "lm", "identical"])
 def test_batch_rows_equal_their_own_greedy(tiny_pair, policy, drafter):
     model, _ = tiny_pair
     result = generate(tiny_target(model), batch_drafters(model)[drafter], parse_policy(policy), BATCH, 24)
@@ -126,7 +128,32 @@ def test_batched_sampling_is_reproducible_and_complete(tiny_pair):
     assert all(len(row) == 16 for row in runs[0].token_ids)
 
 
-def test_draft_lm_refuses_batches(tiny_pair):
+def test_batched_draft_lm_cache_matches_a_fresh_forward(tiny_pair):
+    """After steps with different acceptance per row, the draft LM's own batched cache (holes masked)
+    gives the same next-token logits as running the draft on each row's confirmed tokens from scratch."""
     model, _ = tiny_pair
+    draft_model = perturbed_copy(model, 0.1)
+    draft = ModelDrafter(draft_model, "perturbed", model.config.vocab_size)
+    state = start(tiny_target(model), draft, BATCH[:4], 16)
+    for k in (3, 5, 2, 4):
+        speculative_step(state, k)
+    contexts = [r.context for r in state.active_rows]
+    proposal = draft.propose_batch(contexts, 1, state.sampling, None, rows=list(state.active))
+    for i, context in enumerate(contexts):
+        with torch.no_grad():
+            fresh = draft_model(context[None]).logits[0, -1].argmax()
+        assert int(proposal.tokens[i, 0]) == int(fresh)
+    assert draft._mask.shape[1] == draft.cache.get_seq_length()
+
+
+def test_drafter_without_batch_support_is_refused(tiny_pair):
+    model, _ = tiny_pair
+
+    class SingleOnly:
+        name, needs_hidden = "single-only", False
+
+        def reset(self, prompt):
+            pass
+
     with pytest.raises(SpecPilotError, match="does not support batched decoding"):
-        start(tiny_target(model), ModelDrafter(model, "lm", 64), BATCH[:2], 8)
+        start(tiny_target(model), SingleOnly(), BATCH[:2], 8)

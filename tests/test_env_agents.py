@@ -27,6 +27,13 @@ def tiny_env_parts(tiny_model_dirs):
     return target, draft, speed
 
 
+def policy_dir(root):
+    """OUT/cpu/<draft>: training writes one folder per device and drafter."""
+    folders = [p for p in (root / "cpu").iterdir() if p.is_dir()]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
 def make_env(parts, **kw):
     target, draft, speed = parts
     return SpecDecodeEnv(target, draft, SMALL_PROMPTS, k_max=4, max_new_tokens=12, plain_speed=speed, **kw)
@@ -90,10 +97,10 @@ def trained(tiny_model_dirs, tmp_path_factory):
 
 
 def test_ppo_run_exports_a_policy_that_decodes_losslessly(trained, tiny_env_parts):
-    meta = json.loads((trained / "cpu" / "policy.json").read_text())
+    meta = json.loads((policy_dir(trained) / "policy.json").read_text())
     assert meta["features"] == list(FEATURES) and meta["device"] == "cpu" and meta["k_max"] == 4
     assert meta["training_steps"] == 96
-    policy = LearnedK.load(trained / "cpu" / "policy.json")
+    policy = LearnedK.load(policy_dir(trained) / "policy.json")
     target, draft, _ = tiny_env_parts
     prompt = target.encode("reverse a string", chat=True)
     plain = generate(target, None, NoSpeculation(), prompt, 20)
@@ -104,11 +111,11 @@ def test_export_round_trip_matches_sb3(trained):
     from stable_baselines3 import PPO
     import pickle
 
-    run = trained / "cpu" / "run"
+    run = policy_dir(trained) / "run"
     model = PPO.load(str(run / "final_model.zip"), device="cpu")
     with open(run / "final_vecnormalize.pkl", "rb") as f:
         norm = pickle.load(f)
-    policy = LearnedK.load(trained / "cpu")
+    policy = LearnedK.load(policy_dir(trained))
     rng = np.random.default_rng(1)
     obs = (norm.obs_rms.mean + np.sqrt(norm.obs_rms.var) * rng.standard_normal((300, len(FEATURES)))).astype(np.float32)
     sb3, _ = model.predict(norm.normalize_obs(obs), deterministic=True)
@@ -121,12 +128,12 @@ def test_resume_continues_step_count(tiny_model_dirs, tmp_path):
     from agents.ppo import latest_checkpoint
 
     assert train_main(train_args(tiny_model_dirs, tmp_path, 64, "--no-track")) == 0
-    ckpt = tmp_path / "cpu" / "run" / "checkpoints"
+    ckpt = policy_dir(tmp_path) / "run" / "checkpoints"
     first = (ckpt / "ppo_64_steps.zip").stat().st_mtime
     assert train_main(train_args(tiny_model_dirs, tmp_path, 128, "--no-track", "--resume")) == 0
     assert latest_checkpoint(ckpt)[2] == 128
     assert (ckpt / "ppo_64_steps.zip").stat().st_mtime == first  # continued, not retrained from 0
-    assert json.loads((tmp_path / "cpu" / "policy.json").read_text())["training_steps"] == 128
+    assert json.loads((policy_dir(tmp_path) / "policy.json").read_text())["training_steps"] == 128
 
 
 def test_resume_without_checkpoint_is_an_error(tiny_model_dirs, tmp_path):
@@ -143,7 +150,7 @@ def test_offline_wandb_run_folder(tiny_model_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert train_main(train_args(tiny_model_dirs, tmp_path, 32, "--track")) == 0
-    runs = list((tmp_path / "cpu" / "run" / "wandb").glob("offline-run-*"))
+    runs = list((policy_dir(tmp_path) / "run" / "wandb").glob("offline-run-*"))
     assert runs and any(runs[0].glob("*.wandb"))
 
 
@@ -158,15 +165,15 @@ def test_named_device_not_present(tiny_model_dirs, tmp_path, capsys):
 
 def test_policy_device_mismatch(trained):
     with pytest.raises(SpecPilotError, match="trained on device 'cpu'"):
-        LearnedK.load(trained / "cpu", device="a100")
-    assert LearnedK.load(trained / "cpu", device="a100", allow_device_mismatch=True).k_max == 4
+        LearnedK.load(policy_dir(trained), device="a100")
+    assert LearnedK.load(policy_dir(trained), device="a100", allow_device_mismatch=True).k_max == 4
 
 
 def copy_policy(trained, tmp_path):
     import shutil
 
     folder = tmp_path / "p"
-    shutil.copytree(trained / "cpu", folder, ignore=shutil.ignore_patterns("run"))
+    shutil.copytree(policy_dir(trained), folder, ignore=shutil.ignore_patterns("run"))
     return folder
 
 
@@ -217,9 +224,9 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     args = train_args(tiny_model_dirs, tmp_path / "policies", 32, "--no-track", "--prompts", str(prompts),
                       "--hp", "replay_timesteps=256", "--hp", "replay_checkpoint_every=128")
     assert train_main(args) == 0
-    meta = json.loads((tmp_path / "policies" / "cpu" / "policy.json").read_text())
+    meta = json.loads((policy_dir(tmp_path / "policies") / "policy.json").read_text())
     assert meta["training_steps"] == 256 + 32
-    ckpts = sorted(p.name for p in (tmp_path / "policies" / "cpu" / "run" / "checkpoints").glob("ppo_*_steps.zip"))
+    ckpts = sorted(p.name for p in (policy_dir(tmp_path / "policies") / "run" / "checkpoints").glob("ppo_*_steps.zip"))
     assert "ppo_128_steps.zip" in ckpts and "ppo_288_steps.zip" in ckpts
 
 
@@ -233,10 +240,20 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
                          "--k-max", "4", "--context-lens", "32,256", "--repeats", "2", "--prompts", str(prompts),
-                         "--max-new-tokens", "12", "--no-progress"]) == 0
+                         "--max-new-tokens", "12", "--batch-sizes", "1,2,3", "--no-progress"]) == 0
     capsys.readouterr()
+    # batched: every policy on the same batches, the batch-size table built from the profile
+    code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"].replace("draft", "draft"),
+                           "--prompts", str(prompts), "--policies", f"none,static:2,batch-table,learned:{policy_dir(trained)}",
+                           "--k-max", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2,3", "--out", str(tmp_path / "bb"),
+                           "--report", str(tmp_path / "reports" / "batch.md"), "--no-progress"])
+    assert code == 0
+    batch = json.loads((tmp_path / "bb" / "batch_results.json").read_text())
+    assert batch["summary"]["batch_sizes"] == [1, 2, 3]
+    assert all(cell["lossless"] for row in batch["summary"]["table"].values() for cell in row.values())
+    assert "B=3" in capsys.readouterr().out and (tmp_path / "reports" / "batch.png").exists()
     code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--prompts", str(prompts),
-                           "--policies", f"none,static:1..2,heuristic,confidence:0.5,learned:{trained / 'cpu'},oracle",
+                           "--policies", f"none,static:1..2,heuristic,confidence:0.5,learned:{policy_dir(trained)},oracle",
                            "--k-max", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "bench"),
                            "--report", str(tmp_path / "reports" / "cpu.md"), "--no-progress"])
     assert code == 0
