@@ -43,6 +43,8 @@ class TrainConfig:
     """Continue a killed run from its last checkpoint in OUT/DEVICE/run/checkpoints."""
     out: str = "policies"
     """Root folder: the policy goes to OUT/DEVICE/DRAFT/policy.{json,safetensors}, the run to OUT/DEVICE/DRAFT/run/."""
+    batch_sizes: str = ""
+    """Comma-separated batch sizes episodes draw from, e.g. 1,2,4,8,16 (default: the YAML's batch_sizes)."""
     hp: list[str] = field(default_factory=list)
     """Hyperparameter override KEY=VALUE (repeatable), e.g. --hp n_steps=128."""
     eval_per_category: int = 1
@@ -58,7 +60,10 @@ class TrainConfig:
 def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
     from decoding.cli import _slug
 
-    return (Path(cfg.profile or f"profiles/{device_key}.json"), Path(cfg.traces or f"profiles/traces-{_slug(draft_name)}.json"))
+    from decoding.cli import default_profile_path
+
+    return (Path(cfg.profile) if cfg.profile else default_profile_path(device_key, draft_name),
+            Path(cfg.traces or f"profiles/traces-{_slug(draft_name)}.json"))
 
 
 def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
@@ -71,7 +76,7 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
 
 
 def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
-                   max_new_tokens: int, torch_device: str, reward: str):
+                   max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,)):
     from decoding.oracle import CostModel, load_traces
     from env import ReplayEnv
 
@@ -96,7 +101,7 @@ def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: in
         hardware = shared_monitor(torch_device).read().tolist()
     return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)),
                              hardware=np.asarray(hardware, dtype=np.float32), max_new_tokens=max_new_tokens,
-                             reward=reward)
+                             reward=reward, batch_sizes=batch_sizes)
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -117,6 +122,12 @@ def train_main(argv: list[str] | None = None) -> int:
     if cfg.timesteps:
         hp["timesteps"] = cfg.timesteps
     k_max = int(hp["k_max"])
+    if cfg.batch_sizes:
+        from decoding.cli import _parse_ints
+
+        hp["batch_sizes"] = _parse_ints(cfg.batch_sizes, "--batch-sizes")
+    batch_sizes = [int(b) for b in hp.get("batch_sizes") or [1]]
+    real_batch_sizes = [int(b) for b in hp.get("real_batch_sizes") or batch_sizes]
     train_prompts = load_prompts(cfg.prompts, "train")
     test_prompts = load_prompts(cfg.prompts, "test") if cfg.eval_per_category else []
     torch_device = torch_device_of(device_key)
@@ -132,18 +143,19 @@ def train_main(argv: list[str] | None = None) -> int:
     if cfg.resume and speed_path.exists():
         plain_speed = PlainSpeed.load(speed_path)
     else:
-        plain_speed = measure_plain_speed(target, target.encode(train_prompts[0].text, chat=True))
+        plain_speed = measure_plain_speed(target, target.encode(train_prompts[0].text, chat=True),
+                                          batch_sizes=real_batch_sizes)
         plain_speed.save(speed_path)
 
     def env_fn():
         return SpecDecodeEnv(target, draft, train_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
-                             plain_speed=plain_speed, reward=str(hp["reward"]))
+                             plain_speed=plain_speed, reward=str(hp["reward"]), batch_sizes=real_batch_sizes)
 
     phases = []
     mode = _env_mode(cfg, device_key, draft.name)
     if mode in ("replay", "both"):
         replay_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
-                                   int(hp["max_new_tokens"]), torch_device, str(hp["reward"]))
+                                   int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), batch_sizes)
         phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), int(hp["replay_checkpoint_every"])))
         from env.replay_env import replay_steps_per_second
 
@@ -158,6 +170,7 @@ def train_main(argv: list[str] | None = None) -> int:
     model, venv = train(phases, hp, run_dir, seed=cfg.seed, resume=cfg.resume, track=cfg.track,
                         wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress)
     provenance = {"target": target.name, "draft": draft.name, "max_new_tokens": int(hp["max_new_tokens"]),
+                  "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
                   "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed}
     meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
                               check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,

@@ -179,7 +179,7 @@ def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, di
 
     if not sampling.greedy:
         raise SpecPilotError("the oracle and --replay need greedy decoding (--temperature 0)")
-    profile_path = Path(cfg.profile or f"profiles/{device_key}.json")
+    profile_path = Path(cfg.profile) if cfg.profile else default_profile_path(device_key, draft.name)
     if not profile_path.exists():
         raise SpecPilotError(f"no cost profile {profile_path}; run scripts/profile_device.py --device {device_key}")
     traces, meta = load_traces(cfg.traces or f"profiles/traces-{_slug(draft.name)}.json")
@@ -445,9 +445,11 @@ def profile_main(argv: list[str] | None = None) -> int:
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{device_key}.json"
+    # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json
+    stem = device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config else f"{device_key}-{_slug(draft.name)}"
+    path = out / f"{stem}.json"
     path.write_text(json.dumps(profile, indent=1))
-    plot_profile(profile, out / f"{device_key}.png")
+    plot_profile(profile, out / f"{stem}.png")
     print(f"cost profile of {device_key} ({hardware_name}): {path}")
     for c, row in zip(profile["context_lens"], profile["verify_s"]):
         print(f"  context {c:>5}: verify ms for k=0..{cfg.k_max}: " + " ".join(f"{1000 * s:.1f}" for s in row)
@@ -467,6 +469,12 @@ def profile_main(argv: list[str] | None = None) -> int:
         rate = sum(min(m, cfg.k_max) for t in traces for m in t.matches) / max(1, sum(t.available[i] for t in traces for i in range(len(t.matches))))
         print(f"traces of {len(traces)} prompts: {trace_path} (mean matched share of available drafts {rate:.3f})")
     return 0
+
+
+def default_profile_path(device_key: str, draft_name: str) -> Path:
+    """profiles/DEVICE-DRAFT.json when that draft has its own profile (its draft cost), else profiles/DEVICE.json."""
+    own = Path(f"profiles/{device_key}-{_slug(draft_name)}.json")
+    return own if own.exists() else Path(f"profiles/{device_key}.json")
 
 
 def _slug(text: str) -> str:
@@ -515,6 +523,8 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
     from .oracle import CostModel, load_traces
     from .policies import parse_policy
 
+    from .models import draft_name
+
     cfg = parse_config(ExportVllmConfig, argv)
     if cfg.max_batch < 1:
         raise SpecPilotError(f"--max-batch must be >= 1, got {cfg.max_batch}")
@@ -522,14 +532,12 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
 
     # no model runs here: any device's profile can be exported on any machine
     device = resolve_device("auto")[0] if cfg.device == "auto" else cfg.device.strip().lower()
-    profile_path = Path(cfg.profile or f"profiles/{device}.json")
+    profile_path = Path(cfg.profile) if cfg.profile else default_profile_path(device, draft_name(cfg.draft))
     if not profile_path.exists():
         raise SpecPilotError(f"no cost profile {profile_path}; run scripts/profile_device.py --device {device}")
     profile = json.loads(profile_path.read_text())
     if not profile.get("batch_sizes"):
         raise SpecPilotError(f"the cost profile {profile_path} has no batch sizes; rerun scripts/profile_device.py")
-    from .models import draft_name
-
     traces, meta = load_traces(cfg.traces or f"profiles/traces-{_slug(draft_name(cfg.draft))}.json")
     traces = _train_traces(traces, meta)
     if cfg.policy == "batch-table":

@@ -45,6 +45,12 @@ class DistillConfig:
     """Prompt JSONL whose train split is used (default: the project's set; the test split is never used)."""
     synthetic_prompts: int = 640
     """Extra prompts built from Python's standard library (code, docstrings) over the eight categories."""
+    corpus_tokens: int = 160000
+    """Teacher-forced tokens of Python's standard-library source (code, comments, docstrings) added to
+    the target's answers: the head learns the same map (target state, next token) -> target's next
+    prediction on any text, and 60k answer tokens alone overfit (0 = answers only)."""
+    answer_weight: int = 2
+    """How many times more often a position of the target's own answers is sampled than a corpus one."""
     max_prompt_tokens: int = 384
     """Prompts longer than this (chat-formatted) are skipped."""
     max_new_tokens: int = 128
@@ -201,10 +207,40 @@ def extract_features(target, rows: list[dict], folder: Path, shard_size: int = 6
     }
 
 
+def corpus_rows(target, n_tokens: int, seed: int, chunk: int = 256) -> list[dict]:
+    """`n_tokens` of Python's standard-library source in `chunk`-token pieces (files in a seeded
+    order; test suites and IDLE skipped), as rows with an empty prompt."""
+    import random
+    import sysconfig
+
+    if n_tokens <= 0:
+        return []
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not {"test", "tests", "idlelib", "site-packages", "lib2to3"} & set(p.relative_to(root).parts))
+    random.Random(seed).shuffle(files)
+    rows, total = [], 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = target.tokenizer(text)["input_ids"]
+        for first in range(0, len(ids) - chunk + 1, chunk):
+            rows.append({"id": f"corpus-{path.relative_to(root)}-{first}", "prompt_ids": [], "answer_ids": ids[first : first + chunk]})
+            total += chunk
+            if total >= n_tokens:
+                return rows
+    return rows
+
+
 def choose_vocab(features: dict, rows: list[dict], size: int, eos_ids) -> list[int]:
-    """The sub-vocabulary: tokens the target predicts most often in its answers, then prompt tokens
-    (answers copy from prompts), EOS always included."""
-    counts = Counter(features["labels"].tolist())
+    """The sub-vocabulary: tokens the target predicts most often in its answers (weight 4) and on the
+    corpus (1), and prompt tokens (answers copy from prompts; 0.25); EOS always included."""
+    n_answer = sum(features["lengths"][: features.get("answers", len(features["lengths"]))])
+    counts = Counter(features["labels"][n_answer:].tolist())
+    for token, n in Counter(features["labels"][:n_answer].tolist()).items():
+        counts[token] += 4 * n
     for r in rows:
         for token in r["prompt_ids"]:
             counts[token] += 0.25
@@ -214,7 +250,8 @@ def choose_vocab(features: dict, rows: list[dict], size: int, eos_ids) -> list[i
 
 
 class Batches:
-    """Random start positions whose whole `depth`-step chain lies inside one sequence."""
+    """Random start positions whose whole `depth`-step chain lies inside one sequence (a sequence
+    listed twice in `sequences` is sampled twice as often)."""
 
     def __init__(self, lengths: list[int], depth: int, sequences: list[int], seed: int):
         offsets = [0]
@@ -273,19 +310,21 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
         target_signature=target_signature(model), target_name=target.name,
     )
     head = DraftHead(head_cfg).to(device)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sequences = list(range(len(data["lengths"])))
-    n_val = max(1, int(len(sequences) * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.01)
+    answers = data.get("answers", len(data["lengths"]))  # the first `answers` sequences are the target's answers
+    n_val = max(1, int(answers * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
     gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(sequences), generator=gen).tolist()
-    val_seq, train_seq = order[:n_val], order[n_val:]
+    order = torch.randperm(answers, generator=gen).tolist()
+    val_seq = order[:n_val]  # held out: answers only, the distribution the draft serves
+    train_seq = order[n_val:] * max(1, cfg.answer_weight) + list(range(answers, len(data["lengths"])))
     batches = Batches(data["lengths"], cfg.depth, train_seq, cfg.seed)
     val_starts = Batches(data["lengths"], cfg.depth, val_seq, cfg.seed).starts[:4096] if n_val else None
     embed = model.get_input_embeddings().weight.detach().float()
     head_weight = sub_head_weight(model, torch.tensor(vocab_ids, device=device)).float()
     step, history = 0, []
     ckpt = work / "checkpoint.pt"
-    shape = {k: getattr(cfg, k) for k in ("vocab", "blocks", "intermediate_size", "depth", "seed")}
+    shape = {k: getattr(cfg, k) for k in ("vocab", "blocks", "intermediate_size", "depth", "seed", "corpus_tokens",
+                                          "answer_weight")}
     if ckpt.exists() and not cfg.fresh:
         saved = torch.load(ckpt, weights_only=False)
         if saved["shape"] != shape:
@@ -296,9 +335,11 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
         step, history = saved["step"], saved["history"]
         _say(f"resuming from {ckpt} at step {step}")
 
-    def save(sampler_state: torch.Tensor):
+    def save(sampler_state: torch.Tensor):  # write then rename: a kill mid-save leaves the last checkpoint intact
+        partial = ckpt.with_suffix(".partial")
         torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler_state,
-                    "step": step, "history": history, "shape": shape}, ckpt)
+                    "step": step, "history": history, "shape": shape}, partial)
+        partial.replace(ckpt)
 
     def evaluate() -> dict:
         if val_starts is None:
@@ -340,7 +381,8 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
         raise SpecPilotError(f"interrupted at step {step}; checkpoint saved, rerun the same command to resume") from None
     bar.close()
     final = evaluate()
-    head.cfg.trained = {"steps": step, "sequences": len(train_seq), "positions": int(batches.starts.numel()),
+    head.cfg.trained = {"steps": step, "answers": answers, "corpus_sequences": len(data["lengths"]) - answers,
+                        "positions": int(data["labels"].numel()),
                         "seconds_this_run": round(time.perf_counter() - t0, 1), **{k: round(v, 4) for k, v in final.items()},
                         "config": asdict(cfg)}
     return head.eval(), {"history": history, "final": final}
@@ -360,13 +402,16 @@ def distill(cfg: DistillConfig) -> Path:
                             cfg.max_prompt_tokens, cfg.progress)
     if not rows:
         raise SpecPilotError(f"no prompt fits in --max-prompt-tokens {cfg.max_prompt_tokens}")
-    data = extract_features(target, rows, work / "features", progress=cfg.progress)
+    corpus = corpus_rows(target, cfg.corpus_tokens, cfg.seed)
+    data = extract_features(target, rows + corpus, work / "features", progress=cfg.progress)
+    data["answers"] = len(rows)
     vocab_ids = choose_vocab(data, rows, cfg.vocab, target.eos_ids)
     index = torch.full((target.vocab_size,), IGNORE, dtype=torch.long)
     index[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
     data["sub_labels"] = index[data["labels"]]
     coverage = float((data["sub_labels"] != IGNORE).float().mean())
-    _say(f"{data['labels'].numel()} positions from {len(rows)} sequences; sub-vocabulary {len(vocab_ids)} covers {coverage:.1%}")
+    _say(f"{data['labels'].numel()} positions from {len(rows)} answers and {len(corpus)} corpus pieces; "
+         f"sub-vocabulary {len(vocab_ids)} covers {coverage:.1%}")
     data = {k: (v.to(target.device) if torch.is_tensor(v) else v) for k, v in data.items()}
     run = start_tracking(cfg.track, cfg.wandb_project, work, {**asdict(cfg), "positions": int(data["labels"].numel()),
                                                               "vocab_coverage": coverage})

@@ -27,6 +27,14 @@ def test_greedy_lossless_on_gpu():
         assert all(s.verify_s > 0 for s in result.steps)
 
 
+def test_batched_lossless_on_gpu():
+    target_model = tiny_llama(dtype=torch.float32).cuda()
+    draft = ModelDrafter(perturbed_copy(target_model, 0.15), "perturbed", target_model.config.vocab_size)
+    prompts = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3], [42]]
+    result = generate(tiny_target(target_model), draft, parse_policy("static:4"), prompts, 24)
+    assert result.token_ids == [plain_greedy(target_model, p, 24) for p in prompts]
+
+
 def test_nvml_counters_sampled():
     from decoding.hardware import HW_FEATURES, HardwareMonitor, device_of
 

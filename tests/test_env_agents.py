@@ -218,8 +218,10 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
                          "--k-max", "4", "--context-lens", "32,256", "--repeats", "2", "--prompts", str(prompts),
-                         "--max-new-tokens", "12", "--no-progress"]) == 0
-    profile = json.loads((tmp_path / "profiles" / "cpu.json").read_text())
+                         "--max-new-tokens", "12", "--batch-sizes", "1,2", "--no-progress"]) == 0
+    written = list((tmp_path / "profiles").glob("cpu*.json"))  # a non-default draft's profile is cpu-DRAFT.json
+    assert len(written) == 1 and written[0].name != "cpu.json"
+    profile = json.loads(written[0].read_text())
     assert len(profile["verify_s"]) == 2 and len(profile["verify_s"][0]) == 5 and profile["hardware"]
     args = train_args(tiny_model_dirs, tmp_path / "policies", 32, "--no-track", "--prompts", str(prompts),
                       "--hp", "replay_timesteps=256", "--hp", "replay_checkpoint_every=128")

@@ -87,7 +87,7 @@ def _cfg(tiny_model_dirs, tmp_path, name, **kw) -> DistillConfig:
     base = dict(target=tiny_model_dirs["target"], out=str(tmp_path / name), work_dir=str(tmp_path / f"work-{name}"),
                 prompts=_prompt_file(tmp_path), synthetic_prompts=0, max_new_tokens=24, gen_batch=4, vocab=128,
                 blocks=1, intermediate_size=64, depth=3, steps=60, batch_size=32, lr=1e-2, checkpoint_every=10,
-                device="cpu", track=False, progress=False, val_fraction=0.2)
+                device="cpu", track=False, progress=False, val_fraction=0.2, corpus_tokens=512)
     base.update(kw)
     return DistillConfig(**base)
 
