@@ -63,15 +63,15 @@ class DistillConfig:
     """Residual MLP blocks in the head."""
     intermediate_size: int = 1536
     """Width of each block's SwiGLU MLP."""
-    depth: int = 5
+    depth: int = 4
     """Draft steps unrolled in training (the head is trained as it runs: on its own state)."""
-    steps: int = 3000
+    steps: int = 2000
     """Optimizer steps."""
     batch_size: int = 128
     """Start positions per step (each unrolled `depth` times)."""
     lr: float = 2e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay)."""
-    feature_weight: float = 1.0
+    feature_weight: float = 0.1
     """Weight of the smooth-L1 loss between the head's state and the target's hidden state."""
     val_fraction: float = 0.05
     """Share of sequences held out to report accuracy (never trained on)."""
