@@ -83,7 +83,7 @@ def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, 
                     hardware=None, episodes: int = 8, seed: int = 0) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
     """Query a policy on representative observations per batch size: run it in the noise-free replay
     env (the observation builder of training and inference) on `episodes` batches of recorded traces
-    at each batch size 1..max_batch and keep the k it chooses most often. Returns ({b: k}, {b: {k: steps}})."""
+    at each batch size 1..max_batch and keep its mean k, rounded. Returns ({b: k}, {b: {k: steps}})."""
     from collections import Counter
 
     from env.replay_env import ReplayEnv
@@ -104,5 +104,8 @@ def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, 
                 obs, _, done, _, _ = env.step(k)
                 policy.update(env.last_step)
         counts[b] = dict(sorted(tally.items()))
-        chosen[b] = max(tally, key=lambda k: (tally[k], -k)) if tally else 0
+        steps = sum(tally.values())
+        # the policy's mean k at this batch size, rounded: a static table cannot switch speculation on
+        # and off per step, and the mode of a policy that does (k = 0 often, k = 7 otherwise) is neither
+        chosen[b] = int(np.floor(sum(k * n for k, n in tally.items()) / steps + 0.5)) if steps else 0
     return chosen, counts

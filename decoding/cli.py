@@ -291,15 +291,27 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
     if not traces:
         raise SpecPilotError("--replay: none of the chosen prompts has a recorded trace")
     hardware = np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
-    results = replay_evaluate(policies, traces, CostModel.from_profile(profile), cfg.k_max, hardware)
+    cost = CostModel.from_profile(profile)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.batch_sizes:
+        sizes = _parse_ints(cfg.batch_sizes, "--batch-sizes")
+        by_size = {b: replay_evaluate(policies, traces, cost, cfg.k_max, hardware, batch_size=b) for b in sizes}
+        print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}) taken B at a time, "
+              f"{cfg.max_new_tokens} tokens, cost profile of {device_key}, draft {draft.name}; speedup over plain at B")
+        names = [n for n in policies if n in by_size[sizes[-1]]]
+        print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>9}" for b in sizes))
+        for name in names:
+            print(f"{name:<16}" + "".join(f"{by_size[b][name]['speedup']:>8.3f}x" for b in sizes))
+        (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size}, indent=1))
+        return 0
+    results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware)
     print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}), {cfg.max_new_tokens} tokens, "
           f"cost profile of {device_key}, draft {draft.name}")
     print(f"{'policy':<16}{'speedup':>9}{'acc.rate':>9}" + (f"{'/oracle':>8}" if "oracle" in results else ""))
     for name, row in results.items():
         print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
               + (f"{row['fraction_of_oracle']:>8.3f}" if "oracle" in results else ""))
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results}, indent=1))
     return 0
 
@@ -555,7 +567,7 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
         "device": device, "hardware_name": profile.get("hardware_name"), "policy": getattr(policy, "path", None) or cfg.policy,
         "draft": meta.get("draft"), "target": meta.get("target"),
         "k_chosen_per_batch_size": {str(b): counts[b] for b in counts},
-        "note": "inclusive [start_bs, end_bs, k] ranges; k = the policy's most frequent choice at that batch size "
+        "note": "inclusive [start_bs, end_bs, k] ranges; k = the policy's mean choice (rounded) at that batch size "
                 "on replayed train-split traces (speculative_config.num_speculative_tokens_per_batch_size)",
     }
     out = Path(cfg.out or f"policies/{device}/{_slug(draft_name(cfg.draft))}/vllm_table.json")

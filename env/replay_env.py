@@ -236,21 +236,27 @@ def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -
 
 
 def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max: int,
-                    hardware: np.ndarray | None = None) -> dict[str, dict]:
+                    hardware: np.ndarray | None = None, batch_size: int = 1) -> dict[str, dict]:
     """Noise-free speedup over plain decoding of each policy on the traces, by the device's cost model.
 
     The same replay env PPO pre-trains on, without noise: a policy's number here depends only on its
-    choices, so policies (and the oracle, which the replay reproduces exactly) compare free of timing noise.
+    choices, so policies (and the oracle, which the replay reproduces exactly) compare free of timing
+    noise. With batch_size B the traces are replayed B at a time (consecutive groups) as batches.
     """
-    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware)
+    from decoding.benchmark import batches_of
+
+    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size])
+    groups = batches_of(len(traces), batch_size)
     results = {}
     for name, policy in policies.items():
+        if batch_size > 1 and hasattr(policy, "prepare"):
+            continue  # the oracle's schedule is per sequence
         seconds = plain = 0.0
         drafted = accepted = 0
-        for index, trace in enumerate(traces):
+        for group in groups:
             if hasattr(policy, "prepare"):
-                policy.prepare(trace.question_id)
-            obs, _ = env.reset(options={"trace_index": index})
+                policy.prepare(traces[group[0]].question_id)
+            obs, _ = env.reset(options={"trace_indices": group})
             policy.reset()
             done = False
             while not done:
