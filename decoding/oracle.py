@@ -123,7 +123,7 @@ class CostModel:
         """(verify scale per k, draft scale) at a batch size, interpolated in log(batch)."""
         if len(self.batch_sizes) == 1:
             if batch != self.batch_sizes[0]:
-                raise SpecPilotError(f"the cost profile has no batch sizes; profile them (profile_device.py --batch-sizes)")
+                raise SpecPilotError("the cost profile has no batch sizes; profile them (profile_device.py --batch-sizes)")
             return self.batch_scale[0], float(self.batch_draft_scale[0])
         x = np.log(np.asarray(self.batch_sizes, dtype=np.float64))
         at = np.log(batch)
