@@ -70,18 +70,11 @@ class StepResult:
         return len(self.accepted_rows)
 
 
-@dataclass
-class Row:
-    """One sequence of a batch: its confirmed tokens."""
-
-    buffer: torch.Tensor
-    length: int
-    prompt_len: int
-    max_new_tokens: int
-    done: bool = False
+class RowView:
+    """What a row (buffer, length, prompt_len, max_new_tokens) derives; shared with the replay env."""
 
     @property
-    def context(self) -> torch.Tensor:
+    def context(self):
         return self.buffer[: self.length]
 
     @property
@@ -93,8 +86,64 @@ class Row:
         return self.max_new_tokens - (self.length - self.prompt_len)
 
 
+class BatchView:
+    """A batch of `rows` with the `active` ones in cache order; one sequence reads like its row.
+    Shared by DecodeState and the replay env's state, so the observation builder sees one shape."""
+
+    @property
+    def active_rows(self) -> list:
+        return [self.rows[i] for i in self.active]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.active)
+
+    @property
+    def done(self) -> bool:
+        return not self.active
+
+    @property
+    def remaining(self) -> int:
+        return max(self.rows[i].remaining for i in self.active) if self.active else 0
+
+    @property
+    def buffer(self):
+        return self.rows[0].buffer
+
+    @property
+    def length(self) -> int:
+        return self.rows[0].length
+
+    @property
+    def prompt_len(self) -> int:
+        return self.rows[0].prompt_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.rows[0].max_new_tokens
+
+    @property
+    def context(self):
+        return self.rows[0].context
+
+    @property
+    def generated(self) -> list[int]:
+        return self.rows[0].generated
+
+
 @dataclass
-class DecodeState:
+class Row(RowView):
+    """One sequence of a batch: its confirmed tokens."""
+
+    buffer: torch.Tensor
+    length: int
+    prompt_len: int
+    max_new_tokens: int
+    done: bool = False
+
+
+@dataclass
+class DecodeState(BatchView):
     """B sequences decoded together (B = 1 is the common case) and both models' caches.
 
     The target's KV cache is shared by the active rows and has the same number of slots in each. A
@@ -117,47 +166,6 @@ class DecodeState:
     """(active rows, cache slots) 1 = a confirmed token of that row; None for a single sequence."""
     batched: bool = False
     prefill_s: float = 0.0
-
-    # a single sequence reads like one row
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self.rows[0].buffer
-
-    @property
-    def length(self) -> int:
-        return self.rows[0].length
-
-    @property
-    def prompt_len(self) -> int:
-        return self.rows[0].prompt_len
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.rows[0].max_new_tokens
-
-    @property
-    def context(self) -> torch.Tensor:
-        return self.rows[0].context
-
-    @property
-    def generated(self) -> list[int]:
-        return self.rows[0].generated
-
-    @property
-    def remaining(self) -> int:
-        return max(self.rows[i].remaining for i in self.active) if self.active else 0
-
-    @property
-    def done(self) -> bool:
-        return not self.active
-
-    @property
-    def active_rows(self) -> list[Row]:
-        return [self.rows[i] for i in self.active]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.active)
 
 
 def _target_forward(state: DecodeState, ids: torch.Tensor, positions: torch.Tensor | None = None,

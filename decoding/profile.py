@@ -65,25 +65,13 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
     monitor = shared_monitor(str(target.device))
     verify, draft_cost, spreads, hardware = [], [], [], []
     randomizer = RandomDrafter(target.vocab_size)
-    greedy = Sampling()
-    device = target.device
     for c in lens:
         budget = repeats * (k_max + 1) * (k_max + 2) + 4
         state = start(target, randomizer, filler_ids(prompt_ids, c), budget)
-        speculative_step(state, k_max)  # warm-up
-        samples: dict[int, list[float]] = {k: [] for k in range(k_max + 1)}
-        for r in range(repeats):
-            order = list(range(k_max + 1))
-            order = order[r % len(order):] + order[: r % len(order)]
-            for k in order:
-                samples[k].append(speculative_step(state, k).verify_s)
-                hardware.append(monitor.read())
-                if progress:
-                    progress.update()
-        row = [statistics.median(samples[k]) for k in range(k_max + 1)]
-        verify.append(row)
+        samples = _timed_steps(state, k_max, repeats, progress, lambda: hardware.append(monitor.read()))
+        verify.append([statistics.median(samples[k]) for k in range(k_max + 1)])
         spreads += [float(np.std(np.log(samples[k]))) for k in range(k_max + 1)]
-        draft_cost.append(_draft_cost(draft, state, k_max, repeats, greedy, device) if draft is not None else 0.0)
+        draft_cost.append(_draft_cost(draft, state, k_max, repeats) if draft is not None else 0.0)
     profile = {"context_lens": lens, "k": list(range(k_max + 1)), "verify_s": verify, "draft_s_per_token": draft_cost,
                "noise": float(np.median(spreads)) if spreads else 0.0, "repeats": repeats,
                "hardware": np.mean(hardware, axis=0).round(4).tolist() if hardware else None}
@@ -100,66 +88,68 @@ def profile_batches(target, draft, prompt_ids, k_max: int, context_len: int, rep
     for b in batch_sizes:
         budget = repeats * (k_max + 1) * (k_max + 2) + 4
         state = start(target, randomizer, [filler_ids(prompt_ids, context_len)] * b, budget)
-        speculative_step(state, k_max)  # warm-up
-        samples: dict[int, list[float]] = {k: [] for k in range(k_max + 1)}
-        for r in range(repeats):
-            order = list(range(k_max + 1))
-            order = order[r % len(order):] + order[: r % len(order)]
-            for k in order:
-                samples[k].append(speculative_step(state, k).verify_s)
-                if progress:
-                    progress.update()
+        samples = _timed_steps(state, k_max, repeats, progress)
         verify.append([statistics.median(samples[k]) for k in range(k_max + 1)])
-        draft_cost.append(_draft_cost_batch(draft, state, k_max, repeats) if draft is not None and b > 1
-                          else (_draft_cost(draft, state, k_max, repeats, Sampling(), target.device) if draft is not None else 0.0))
+        draft_cost.append(_draft_cost(draft, state, k_max, repeats) if draft is not None else 0.0)
     return {"batch_sizes": list(batch_sizes), "batch_context_len": context_len, "batch_verify_s": verify,
             "batch_draft_s_per_token": draft_cost}
 
 
-def _draft_cost_batch(draft, state, k_max: int, repeats: int) -> float:
-    """Seconds per drafted position (all rows together) of a batch proposal."""
-    if not hasattr(draft, "propose_batch"):
-        return 0.0
+def _timed_steps(state, k_max: int, repeats: int, progress=None, after_step=None) -> dict[int, list[float]]:
+    """Verify seconds of `repeats` steps per k = 0..k_max, the order of k rotated every repeat."""
+    speculative_step(state, k_max)  # warm-up
+    samples: dict[int, list[float]] = {k: [] for k in range(k_max + 1)}
+    for r in range(repeats):
+        order = list(range(k_max + 1))
+        order = order[r % len(order):] + order[: r % len(order)]
+        for k in order:
+            samples[k].append(speculative_step(state, k).verify_s)
+            if after_step:
+                after_step()
+            if progress:
+                progress.update()
+    return samples
+
+
+def _draft_cost(draft, state, k_max: int, repeats: int) -> float:
+    """Seconds per drafted position (all rows of `state` together), the draft's own prefill excluded."""
     contexts = [r.context for r in state.active_rows]
-    hidden = None
-    if draft.needs_hidden:
-        with torch.inference_mode():
-            out = state.target.model(input_ids=torch.stack([c[:-1] for c in contexts]), output_hidden_states=True)
-        hidden = out.hidden_states[-1][:, -1]
-    draft.reset_batch(contexts)
-    rows = list(range(len(contexts)))
-    confirmed = [c.shape[0] - 1 for c in contexts]
-    draft.propose_batch(contexts, 1, Sampling(), None, target_hidden=hidden, rows=rows)  # the draft's own prefill
-    draft.rollback_batch(confirmed, rows)
-    per_token = []
-    for _ in range(repeats):
-        synchronize(state.target.device)
-        t0 = time.perf_counter()
-        proposal = draft.propose_batch(contexts, k_max, Sampling(), None, target_hidden=hidden, rows=rows)
-        synchronize(state.target.device)
-        if proposal.tokens.shape[1]:
-            per_token.append((time.perf_counter() - t0) / proposal.tokens.shape[1])
-        draft.rollback_batch(confirmed, rows)
-    return statistics.median(per_token) if per_token else 0.0
-
-
-def _draft_cost(draft, state, k_max: int, repeats: int, sampling: Sampling, device) -> float:
-    context = state.active_rows[0].context
+    batched = len(contexts) > 1
+    if batched and not hasattr(draft, "propose_batch"):
+        return 0.0
     hidden = None
     if draft.needs_hidden:  # the target's hidden state at the last processed position, as in the loop
         with torch.inference_mode():
-            out = state.target.model(input_ids=context[None, :-1], output_hidden_states=True)
+            out = state.target.model(input_ids=torch.stack([c[:-1] for c in contexts]), output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -1]
-    draft.reset(context)
-    draft.propose(context, 1, sampling, None, target_hidden=hidden)  # prefill the draft's own cache
-    draft.rollback(context.shape[0] - 1)
+    greedy, rows = Sampling(), list(range(len(contexts)))
+    confirmed = [c.shape[0] - 1 for c in contexts]
+    if batched:
+        draft.reset_batch(contexts)
+
+        def propose(k):
+            return draft.propose_batch(contexts, k, greedy, None, target_hidden=hidden, rows=rows).tokens.shape[1]
+
+        def rollback():
+            draft.rollback_batch(confirmed, rows)
+    else:
+        draft.reset(contexts[0])
+
+        def propose(k):
+            return draft.propose(contexts[0], k, greedy, None, target_hidden=hidden).tokens.shape[0]
+
+        def rollback():
+            draft.rollback(confirmed[0])
+    propose(1)  # the draft's own prefill
+    rollback()
+    device = state.target.device
     per_token = []
     for _ in range(repeats):
         synchronize(device)
         t0 = time.perf_counter()
-        proposal = draft.propose(context, k_max, sampling, None, target_hidden=hidden)
+        drafted = propose(k_max)
         synchronize(device)
-        if proposal.tokens.shape[0]:
-            per_token.append((time.perf_counter() - t0) / proposal.tokens.shape[0])
-        draft.rollback(context.shape[0] - 1)
+        if drafted:
+            per_token.append((time.perf_counter() - t0) / drafted)
+        rollback()
     return statistics.median(per_token) if per_token else 0.0

@@ -14,7 +14,7 @@ import gymnasium as gym
 import numpy as np
 
 from decoding.errors import SpecPilotError
-from decoding.loop import StepResult
+from decoding.loop import BatchView, RowView, StepResult
 from decoding.observation import ObservationBuilder
 from decoding.oracle import CostModel, Trace
 
@@ -46,7 +46,7 @@ class TracedDraft:
 
 
 @dataclass
-class ReplayRow:
+class ReplayRow(RowView):
     trace: Trace
     buffer: np.ndarray
     length: int
@@ -54,67 +54,14 @@ class ReplayRow:
     max_new_tokens: int
     done: bool = False
 
-    @property
-    def context(self) -> np.ndarray:
-        return self.buffer[: self.length]
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - (self.length - self.prompt_len)
-
-    @property
-    def generated(self) -> list[int]:
-        return self.buffer[self.prompt_len : self.length].tolist()
-
 
 @dataclass
-class ReplayState:
+class ReplayState(BatchView):
     """The replayed batch (usually one row), shaped like decoding.loop.DecodeState for the observer."""
 
     rows: list[ReplayRow]
     active: list[int]
     draft: TracedDraft | None = None
-
-    @property
-    def active_rows(self) -> list[ReplayRow]:
-        return [self.rows[i] for i in self.active]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.active)
-
-    @property
-    def done(self) -> bool:
-        return not self.active
-
-    @property
-    def remaining(self) -> int:
-        return max(r.remaining for r in self.active_rows) if self.active else 0
-
-    # one sequence reads like its row
-    @property
-    def length(self) -> int:
-        return self.rows[0].length
-
-    @property
-    def prompt_len(self) -> int:
-        return self.rows[0].prompt_len
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.rows[0].max_new_tokens
-
-    @property
-    def buffer(self) -> np.ndarray:
-        return self.rows[0].buffer
-
-    @property
-    def context(self) -> np.ndarray:
-        return self.rows[0].context
-
-    @property
-    def generated(self) -> list[int]:
-        return self.rows[0].generated
 
 
 class ReplayEnv(gym.Env):
