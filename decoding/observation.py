@@ -30,6 +30,8 @@ CONTEXT_FEATURES = (
     "draft_available_frac",
     "repetition_rate",
     "batch_size_log",
+    "behind_available_frac",
+    "remaining_spread",
 )
 FEATURES = HW_FEATURES + COST_FEATURES + ACCEPT_FEATURES + CONTEXT_FEATURES
 EMA = 0.3
@@ -123,15 +125,22 @@ class ObservationBuilder:
         v[i + 3] = self.confidence_min
         v[i + 4] = self.entropy_last
         # what the drafter could propose right now (prompt lookup: the current n-gram match), else last step's
+        # a batch lasts as long as its row with the most tokens left: what that row can draft decides
+        # whether a step saves time (behind_available_frac), and how far behind it is (remaining_spread)
+        remaining = [r.remaining for r in rows]
+        most = max(remaining)
+        behind = [j for j, left in enumerate(remaining) if left == most]
         peek = getattr(getattr(state, "draft", None), "peek", None)
         if peek is not None:
             peeks = [peek(r.context, self.k_max) if n == 1 else peek(r.context, self.k_max, row) for r, row in zip(rows, ids)]
             v[i + 5] = sum(m for m, _ in peeks) / n
             v[i + 6] = sum(a for _, a in peeks) / n / self.k_max
+            v[i + 9] = sum(peeks[j][1] for j in behind) / len(behind) / self.k_max
         else:
-            v[i + 5], v[i + 6] = self.match_len, 1.0
+            v[i + 5], v[i + 6], v[i + 9] = self.match_len, 1.0, 1.0
         v[i + 7] = sum(repetition_rate(r.buffer[max(0, r.length - REPETITION_WINDOW) : r.length]) for r in rows) / n
         v[i + 8] = math.log(n)
+        v[i + 10] = (most - sum(remaining) / n) / rows[0].max_new_tokens
         return v.copy()
 
 

@@ -1,10 +1,34 @@
-"""Per-step reward and per-episode accounting shared by the real and the replay env."""
+"""Per-step reward and per-episode accounting shared by the real and the replay env.
+
+A batch decodes until its last row ends, so plain decoding's time is not "tokens x plain seconds per
+token": plain decoding advances every row by one token per step, its batch shrinking only as rows end.
+`plain_batch_seconds` is that time from any state (a function of the rows' remaining tokens); a step
+is credited with the plain time it removed, the drop of that potential. Advancing the row with the most
+tokens left saves a whole plain step; advancing a row that is ahead saves only the small difference
+between a plain step of b and b - 1 rows. Summed over an episode the credit is exactly plain decoding's
+time of the batch, so the return measures batch time, not per-row throughput. One row: tokens x plain
+step seconds, as before.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 REWARDS = ("saved", "speedup")
 
 
-def step_reward(tokens: int, seconds: float, plain_step_seconds: float, mode: str = "saved") -> float:
+def plain_batch_seconds(remaining: list[int], plain_step: Callable[[int], float]) -> float:
+    """Seconds plain decoding needs to finish rows with these remaining tokens: sum over future steps of
+    plain_step(rows still running). `plain_step(b)`: seconds of a plain step of b rows."""
+    left = sorted((max(0, int(r)) for r in remaining), reverse=True) + [0]
+    return sum((left[j] - left[j + 1]) * plain_step(j + 1) for j in range(len(left) - 1) if left[j] > left[j + 1])
+
+
+def plain_time_left(state, plain_step: Callable[[int], float]) -> float:
+    """`plain_batch_seconds` of a decode (or replay) state's active rows."""
+    return plain_batch_seconds([r.remaining for r in state.active_rows], plain_step)
+
+
+def step_reward(tokens: float, seconds: float, plain_step_seconds: float, mode: str = "saved") -> float:
     """The reward of one step, in units of plain decoding steps on this device at this context length.
 
     "speedup": tokens / seconds / plain tokens-per-second, the step's own speedup. Its sum over an
@@ -13,6 +37,9 @@ def step_reward(tokens: int, seconds: float, plain_step_seconds: float, mode: st
     "saved" (default): tokens - seconds / plain step seconds, the plain steps saved by this step. Its
     sum over an episode is (plain time - policy time) / plain step time: maximising the return is
     exactly minimising decode time, and a plain step scores 0.
+
+    For a batch, `tokens` is the plain time the step removed (see `plain_batch_seconds`) in plain steps
+    of the batch, so the same formulas hold.
     """
     if mode == "saved":
         return tokens - seconds / plain_step_seconds

@@ -18,7 +18,7 @@ from decoding.loop import BatchView, RowView, StepResult
 from decoding.observation import ObservationBuilder
 from decoding.oracle import CostModel, Trace
 
-from .episode import EpisodeStats, step_reward
+from .episode import EpisodeStats, plain_time_left, step_reward
 
 
 class FixedMonitor:
@@ -67,7 +67,8 @@ class ReplayState(BatchView):
 class ReplayEnv(gym.Env):
     """With `batch_sizes`, each episode draws a batch size and that many traces: one k per step for
     the batch, each row accepting min(k, a_r, m_r) tokens, the step costing the profiled batch cost of
-    the widest row's draft; the reward is then in plain batch steps at that batch size."""
+    the widest row's draft; a step is credited with the plain decoding time it removed from the batch
+    (`env.episode.plain_time_left`), in plain steps of the episode's batch."""
 
     metadata = {"render_modes": []}
 
@@ -116,6 +117,8 @@ class ReplayEnv(gym.Env):
         self.state.draft = TracedDraft(self.state)
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
+        self._plain_norm = self._plain_step(len(rows))
+        self._plain_left = self._time_left()
         info = {"question_id": self.trace.question_id, "category": self.trace.category, "batch_size": len(rows)}
         return self.observer.build(self.state), info
 
@@ -156,15 +159,26 @@ class ReplayEnv(gym.Env):
         state.active = [j for j in state.active if not state.rows[j].done]
         self.observer.push(step)
         self.last_step = step
-        plain = table[0]
         tokens = len(step.new_tokens)
-        reward = step_reward(tokens / batch, seconds, plain, self.reward)
-        self.episode.add(tokens, seconds, plain * tokens / batch, drafted * batch, sum(accepted_rows))
+        left = self._time_left()
+        saved, self._plain_left = self._plain_left - left, left  # plain decoding time this step removed
+        reward = step_reward(saved / self._plain_norm, seconds, self._plain_norm, self.reward)
+        self.episode.add(tokens, seconds, saved, drafted * batch, sum(accepted_rows))
         info = {"k": drafted, "accepted": step.accepted, "tokens": tokens, "seconds": seconds,
                 "tokens_per_s": tokens / seconds, "batch_size": batch}
         if state.done:
             info["spec_episode"] = self.episode.summary(self.trace.category)
         return self.observer.build(state), float(reward), state.done, False, info
+
+
+    def _plain_step(self, batch: int, rows=None) -> float:
+        rows = self.state.active_rows if rows is None else rows
+        context = sum(r.length for r in rows) / len(rows) if rows else 0
+        return float(self.cost.step_costs(context, batch)[0][0])
+
+    def _time_left(self) -> float:
+        rows = self.state.active_rows
+        return plain_time_left(self.state, lambda b: self._plain_step(b, rows))
 
 
 def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -> float:

@@ -5,8 +5,10 @@ observation builder (`decoding.observation`); `step(action)` runs exactly one `s
 k = action. The reward is measured against plain decoding on this device at the step's context
 length (see `env.episode.step_reward`): by default the plain steps the step saved; with
 reward="speedup" the step's speedup (tokens / seconds / plain tokens per second). With `batch_sizes`,
-each episode draws a batch size and that many prompts, decodes them together, and the reward counts
-tokens of all rows against a plain step of that many rows (tokens / B vs. plain seconds at B).
+each episode draws a batch size and that many prompts and decodes them together; a step is credited
+with the plain decoding time it removed from the batch (`env.episode.plain_time_left`: the batch ends
+with its last row, so advancing the row furthest behind is what saves time), in plain steps of the
+episode's batch.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import Prompt, load_prompts
 from decoding.sampling import Sampling
 
-from .episode import EpisodeStats, step_reward
+from .episode import EpisodeStats, plain_batch_seconds, plain_time_left, step_reward
 from .plain_speed import PlainSpeed, measure_plain_speed
 
 
@@ -81,6 +83,9 @@ class SpecDecodeEnv(gym.Env):
                            seed=int(self.np_random.integers(2**31)))
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
+        self._context0 = sum(r.length for r in self.state.rows) / len(self.state.rows)
+        self._plain_norm = self.plain_speed.step_seconds(self._context0, len(indices))
+        self._plain_left = self._time_left()
         return self.observer.build(self.state), {"question_id": self.prompt.question_id, "category": self.prompt.category,
                                                  "batch_size": len(indices)}
 
@@ -91,12 +96,21 @@ class SpecDecodeEnv(gym.Env):
         self.observer.push(step)
         tokens, batch = len(step.new_tokens), step.batch_size
         seconds = max(step.seconds, 1e-9)
-        plain_step = self.plain_speed.step_seconds(step.context_len, batch)  # a plain step of `batch` rows
-        reward = step_reward(tokens / batch, seconds, plain_step, self.reward)
-        self.episode.add(tokens, seconds, plain_step * tokens / batch, step.k * batch, sum(step.accepted_rows))
+        left = self._time_left()
+        saved, self._plain_left = self._plain_left - left, left  # plain decoding time this step removed
+        reward = step_reward(saved / self._plain_norm, seconds, self._plain_norm, self.reward)
+        self.episode.add(tokens, seconds, saved, step.k * batch, sum(step.accepted_rows))
         terminated = self.state.done
+        if terminated:  # the rows' true lengths are known now (a row may have ended early with EOS)
+            self.episode.plain_seconds = plain_batch_seconds(
+                [len(r.generated) for r in self.state.rows], lambda b: self.plain_speed.step_seconds(self._context0, b))
         info = {"k": step.k, "accepted": step.accepted, "tokens": tokens, "seconds": seconds,
                 "tokens_per_s": tokens / seconds, "batch_size": batch}
         if terminated:
             info["spec_episode"] = self.episode.summary(self.prompt.category)
         return self.observer.build(self.state), float(reward), terminated, False, info
+
+    def _time_left(self) -> float:
+        rows = self.state.active_rows
+        context = sum(r.length for r in rows) / len(rows) if rows else self._context0
+        return plain_time_left(self.state, lambda b: self.plain_speed.step_seconds(context, b))

@@ -113,12 +113,17 @@ def test_real_env_draws_batches(tiny_model_dirs):
     env = SpecDecodeEnv(**kwargs)
     _, info = env.reset(seed=0, options={"batch_size": 3})
     assert info["batch_size"] == 3
-    tokens, done = 0, False
+    plain_left, norm = env._plain_left, env._plain_norm
+    tokens, done, total, seconds = 0, False, 0.0, 0.0
     while not done:
         _, reward, done, _, step_info = env.step(2)
         tokens += step_info["tokens"]
-        assert np.isfinite(reward)
+        total += reward
+        seconds += step_info["seconds"]
     assert tokens == 3 * 8
+    # the return is the plain batch time at reset (rows x their budget) minus the measured time
+    assert plain_left == pytest.approx(8 * speed.step_seconds(env._context0, 3))
+    assert total == pytest.approx((plain_left - seconds) / norm)
     assert {env.reset(seed=s)[1]["batch_size"] for s in range(12)} == {1, 2, 4}
 
 
@@ -151,3 +156,61 @@ def test_static_policy_in_batched_replay_drafts_the_widest_row():
     env.reset(options={"trace_indices": [0, 1]})
     env.step(StaticK(3).choose_k(None))
     assert env.last_step.k == 3 and env.last_step.accepted_rows == [1, 0]
+
+
+def test_plain_batch_seconds_counts_the_shrinking_batch():
+    from env.episode import plain_batch_seconds
+
+    step = {1: 1.0, 2: 1.5, 3: 1.8}.__getitem__
+    # rows with 5, 2 and 2 tokens left: 2 steps of three rows, then 3 steps of one row
+    assert plain_batch_seconds([5, 2, 2], step) == pytest.approx(2 * 1.8 + 3 * 1.0)
+    assert plain_batch_seconds([4], step) == pytest.approx(4.0)
+    assert plain_batch_seconds([0, 0], step) == 0.0
+
+
+def flat_batch_cost() -> CostModel:
+    """Plain step: 0.1 s for one row, 0.16 s for two (context-independent); k drafted tokens cost
+    0.02 s more per token at any batch size."""
+    verify = [[0.1 + 0.02 * k for k in range(K_MAX + 1)]] * 2
+    return CostModel([0, 10000], verify, [0.0, 0.0], [1, 2],
+                     [verify[0], [0.16 + 0.02 * k for k in range(K_MAX + 1)]], [0.0, 0.0])
+
+
+def test_batched_replay_credits_the_batch_time_not_the_tokens():
+    """Row a accepts every draft, row b none: b decides when the batch ends, so speculating saves only
+    what running b alone at the end saves, though the batch emits twice the tokens per step. The return
+    is exactly (plain batch time - policy time) / plain step time, and the episode's speedup is plain
+    batch time / policy time."""
+    n = 12
+    traces = [Trace("a", "c", [1, 2], list(range(n)), [K_MAX] * n, [K_MAX] * n, k_max=K_MAX),
+              Trace("b", "c", [1, 2], list(range(n)), [0] * n, [K_MAX] * n, k_max=K_MAX)]
+    cost = flat_batch_cost()
+    plain = n * 0.16  # plain decoding: n steps of both rows
+    for k, expected_seconds in [(0, plain), (2, n * (0.16 + 0.04))]:
+        env = ReplayEnv(traces, cost, k_max=K_MAX, noise=0.0, batch_sizes=[2])
+        env.reset(options={"trace_indices": [0, 1]})
+        done, total, seconds = False, 0.0, 0.0
+        while not done:
+            _, r, done, _, info = env.step(k)
+            total += r
+            seconds += info["seconds"]
+        if k:  # row a finished after n/3 steps; row b then ran alone, at one row's cost (k capped at its end)
+            expected_seconds = (n // 3) * (0.16 + 0.04) + (n - n // 3 - 2) * (0.1 + 0.04) + 0.12 + 0.1
+        assert seconds == pytest.approx(expected_seconds)
+        assert total == pytest.approx((plain - seconds) / 0.16)
+        assert info["spec_episode"]["speedup"] == pytest.approx(plain / seconds)
+    assert plain / seconds == pytest.approx(1.032, abs=1e-3)
+    # per-token accounting (tokens x a plain step's seconds per row at the live batch size) said 12%
+    per_token = (n // 3) * (3 + 1) * 0.16 / 2 + (n - n // 3) * 0.1
+    assert per_token / seconds == pytest.approx(1.118, abs=1e-3)
+
+
+def test_batch_observation_sees_the_row_behind():
+    traces = [Trace("a", "c", [1, 2], list(range(10)), [K_MAX] * 10, [K_MAX] * 10, k_max=K_MAX),
+              Trace("b", "c", [1, 2], list(range(10)), [0] * 10, [0] * 10, k_max=K_MAX)]
+    env = ReplayEnv(traces, flat_batch_cost(), k_max=K_MAX, noise=0.0, batch_sizes=[2])
+    obs, _ = env.reset(options={"trace_indices": [0, 1]})
+    behind, spread = FEATURES.index("behind_available_frac"), FEATURES.index("remaining_spread")
+    assert obs[spread] == 0.0 and obs[behind] == pytest.approx(0.5)  # both rows equally far: the mean
+    obs, *_ = env.step(2)  # row a takes 3 tokens, row b 1: b is behind and can draft nothing
+    assert obs[behind] == 0.0 and obs[spread] == pytest.approx(1 / 10)
