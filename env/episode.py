@@ -11,7 +11,7 @@ step seconds, as before.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 REWARDS = ("saved", "speedup")
 
