@@ -23,9 +23,34 @@ def plain_batch_seconds(remaining: list[int], plain_step: Callable[[int], float]
     return sum((left[j] - left[j + 1]) * plain_step(j + 1) for j in range(len(left) - 1) if left[j] > left[j + 1])
 
 
-def plain_time_left(state, plain_step: Callable[[int], float]) -> float:
-    """`plain_batch_seconds` of a decode (or replay) state's active rows."""
-    return plain_batch_seconds([r.remaining for r in state.active_rows], plain_step)
+class PlainCredit:
+    """Credits each step of an episode with the plain decoding time it removed from the batch: the drop
+    of `plain_batch_seconds` over the active rows' remaining tokens. Shared by the real and the replay
+    env; `plain_step(context_len, rows)` is the device's plain step seconds (measured or profiled)."""
+
+    def __init__(self, plain_step: Callable[[float, int], float]):
+        self.plain_step = plain_step
+
+    def reset(self, state) -> None:
+        rows = state.active_rows
+        self.context0 = sum(r.length for r in rows) / len(rows)
+        self.unit = self.plain_step(self.context0, len(rows))  # a plain step of the episode's batch: the reward's unit
+        self.left = self._left(state)
+
+    def take(self, state) -> float:
+        """Seconds of plain decoding the step just taken removed (call once after each step)."""
+        left = self._left(state)
+        saved, self.left = self.left - left, left
+        return saved
+
+    def batch_seconds(self, lengths: list[int]) -> float:
+        """Plain decoding time of rows generating these numbers of tokens (at the episode's start context)."""
+        return plain_batch_seconds(lengths, lambda b: self.plain_step(self.context0, b))
+
+    def _left(self, state) -> float:
+        rows = state.active_rows
+        context = sum(r.length for r in rows) / len(rows) if rows else self.context0
+        return plain_batch_seconds([r.remaining for r in rows], lambda b: self.plain_step(context, b))
 
 
 def step_reward(tokens: float, seconds: float, plain_step_seconds: float, mode: str = "saved") -> float:

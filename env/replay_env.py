@@ -18,7 +18,7 @@ from decoding.loop import BatchView, RowView, StepResult
 from decoding.observation import ObservationBuilder
 from decoding.oracle import CostModel, Trace
 
-from .episode import EpisodeStats, plain_time_left, step_reward
+from .episode import EpisodeStats, PlainCredit, step_reward
 
 
 class FixedMonitor:
@@ -68,7 +68,7 @@ class ReplayEnv(gym.Env):
     """With `batch_sizes`, each episode draws a batch size and that many traces: one k per step for
     the batch, each row accepting min(k, a_r, m_r) tokens, the step costing the profiled batch cost of
     the widest row's draft; a step is credited with the plain decoding time it removed from the batch
-    (`env.episode.plain_time_left`), in plain steps of the episode's batch."""
+    (`env.episode.PlainCredit`), in plain steps of the episode's batch."""
 
     metadata = {"render_modes": []}
 
@@ -91,6 +91,7 @@ class ReplayEnv(gym.Env):
 
         monitor = FixedMonitor(hardware if hardware is not None else np.zeros(len(HW_FEATURES), dtype=np.float32))
         self.observer = ObservationBuilder(k_max, monitor=monitor)
+        self.credit = PlainCredit(lambda context, batch: float(cost.step_costs(context, batch)[0][0]))
         self.action_space = gym.spaces.Discrete(k_max + 1)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state: ReplayState | None = None
@@ -117,8 +118,7 @@ class ReplayEnv(gym.Env):
         self.state.draft = TracedDraft(self.state)
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
-        self._plain_norm = self._plain_step(len(rows))
-        self._plain_left = self._time_left()
+        self.credit.reset(self.state)
         info = {"question_id": self.trace.question_id, "category": self.trace.category, "batch_size": len(rows)}
         return self.observer.build(self.state), info
 
@@ -160,25 +160,14 @@ class ReplayEnv(gym.Env):
         self.observer.push(step)
         self.last_step = step
         tokens = len(step.new_tokens)
-        left = self._time_left()
-        saved, self._plain_left = self._plain_left - left, left  # plain decoding time this step removed
-        reward = step_reward(saved / self._plain_norm, seconds, self._plain_norm, self.reward)
+        saved = self.credit.take(state)  # plain decoding time this step removed
+        reward = step_reward(saved / self.credit.unit, seconds, self.credit.unit, self.reward)
         self.episode.add(tokens, seconds, saved, drafted * batch, sum(accepted_rows))
         info = {"k": drafted, "accepted": step.accepted, "tokens": tokens, "seconds": seconds,
                 "tokens_per_s": tokens / seconds, "batch_size": batch}
         if state.done:
             info["spec_episode"] = self.episode.summary(self.trace.category)
         return self.observer.build(state), float(reward), state.done, False, info
-
-
-    def _plain_step(self, batch: int, rows=None) -> float:
-        rows = self.state.active_rows if rows is None else rows
-        context = sum(r.length for r in rows) / len(rows) if rows else 0
-        return float(self.cost.step_costs(context, batch)[0][0])
-
-    def _time_left(self) -> float:
-        rows = self.state.active_rows
-        return plain_time_left(self.state, lambda b: self._plain_step(b, rows))
 
 
 def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -> float:

@@ -6,7 +6,7 @@ k = action. The reward is measured against plain decoding on this device at the 
 length (see `env.episode.step_reward`): by default the plain steps the step saved; with
 reward="speedup" the step's speedup (tokens / seconds / plain tokens per second). With `batch_sizes`,
 each episode draws a batch size and that many prompts and decodes them together; a step is credited
-with the plain decoding time it removed from the batch (`env.episode.plain_time_left`: the batch ends
+with the plain decoding time it removed from the batch (`env.episode.PlainCredit`: the batch ends
 with its last row, so advancing the row furthest behind is what saves time), in plain steps of the
 episode's batch.
 """
@@ -22,7 +22,7 @@ from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import Prompt, load_prompts
 from decoding.sampling import Sampling
 
-from .episode import EpisodeStats, plain_batch_seconds, plain_time_left, step_reward
+from .episode import EpisodeStats, PlainCredit, step_reward
 from .plain_speed import PlainSpeed, measure_plain_speed
 
 
@@ -62,6 +62,7 @@ class SpecDecodeEnv(gym.Env):
             raise SpecPilotError(f"batch sizes must be >= 1, got {batch_sizes}")
         self.plain_speed = plain_speed or measure_plain_speed(target, self._encoded[0], batch_sizes=self.batch_sizes)
         self.observer = observer or ObservationBuilder(k_max)
+        self.credit = PlainCredit(self.plain_speed.step_seconds)
         self.action_space = gym.spaces.Discrete(k_max + 1)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state = None
@@ -83,9 +84,7 @@ class SpecDecodeEnv(gym.Env):
                            seed=int(self.np_random.integers(2**31)))
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
-        self._context0 = sum(r.length for r in self.state.rows) / len(self.state.rows)
-        self._plain_norm = self.plain_speed.step_seconds(self._context0, len(indices))
-        self._plain_left = self._time_left()
+        self.credit.reset(self.state)
         return self.observer.build(self.state), {"question_id": self.prompt.question_id, "category": self.prompt.category,
                                                  "batch_size": len(indices)}
 
@@ -96,21 +95,14 @@ class SpecDecodeEnv(gym.Env):
         self.observer.push(step)
         tokens, batch = len(step.new_tokens), step.batch_size
         seconds = max(step.seconds, 1e-9)
-        left = self._time_left()
-        saved, self._plain_left = self._plain_left - left, left  # plain decoding time this step removed
-        reward = step_reward(saved / self._plain_norm, seconds, self._plain_norm, self.reward)
+        saved = self.credit.take(self.state)  # plain decoding time this step removed
+        reward = step_reward(saved / self.credit.unit, seconds, self.credit.unit, self.reward)
         self.episode.add(tokens, seconds, saved, step.k * batch, sum(step.accepted_rows))
         terminated = self.state.done
         if terminated:  # the rows' true lengths are known now (a row may have ended early with EOS)
-            self.episode.plain_seconds = plain_batch_seconds(
-                [len(r.generated) for r in self.state.rows], lambda b: self.plain_speed.step_seconds(self._context0, b))
+            self.episode.plain_seconds = self.credit.batch_seconds([len(r.generated) for r in self.state.rows])
         info = {"k": step.k, "accepted": step.accepted, "tokens": tokens, "seconds": seconds,
                 "tokens_per_s": tokens / seconds, "batch_size": batch}
         if terminated:
             info["spec_episode"] = self.episode.summary(self.prompt.category)
         return self.observer.build(self.state), float(reward), terminated, False, info
-
-    def _time_left(self) -> float:
-        rows = self.state.active_rows
-        context = sum(r.length for r in rows) / len(rows) if rows else self._context0
-        return plain_time_left(self.state, lambda b: self.plain_speed.step_seconds(context, b))

@@ -113,7 +113,7 @@ def test_real_env_draws_batches(tiny_model_dirs):
     env = SpecDecodeEnv(**kwargs)
     _, info = env.reset(seed=0, options={"batch_size": 3})
     assert info["batch_size"] == 3
-    plain_left, norm = env._plain_left, env._plain_norm
+    plain_left, norm = env.credit.left, env.credit.unit
     tokens, done, total, seconds = 0, False, 0.0, 0.0
     while not done:
         _, reward, done, _, step_info = env.step(2)
@@ -122,7 +122,7 @@ def test_real_env_draws_batches(tiny_model_dirs):
         seconds += step_info["seconds"]
     assert tokens == 3 * 8
     # the return is the plain batch time at reset (rows x their budget) minus the measured time
-    assert plain_left == pytest.approx(8 * speed.step_seconds(env._context0, 3))
+    assert plain_left == pytest.approx(8 * speed.step_seconds(env.credit.context0, 3))
     assert total == pytest.approx((plain_left - seconds) / norm)
     assert {env.reset(seed=s)[1]["batch_size"] for s in range(12)} == {1, 2, 4}
 
