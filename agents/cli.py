@@ -76,7 +76,8 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
 
 
 def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
-                   max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,)):
+                   max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
+                   speed_jitter: float = 1.0):
     from decoding.oracle import CostModel, load_traces
     from env import ReplayEnv
 
@@ -101,7 +102,7 @@ def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: in
         hardware = shared_monitor(torch_device).read().tolist()
     return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)),
                              hardware=np.asarray(hardware, dtype=np.float32), max_new_tokens=max_new_tokens,
-                             reward=reward, batch_sizes=batch_sizes)
+                             reward=reward, batch_sizes=batch_sizes, speed_jitter=speed_jitter)
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -155,7 +156,8 @@ def train_main(argv: list[str] | None = None) -> int:
     mode = _env_mode(cfg, device_key, draft.name)
     if mode in ("replay", "both"):
         replay_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
-                                   int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), batch_sizes)
+                                   int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), batch_sizes,
+                                   float(hp["replay_speed_jitter"]))
         phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), int(hp["replay_checkpoint_every"])))
         from env.replay_env import replay_steps_per_second
 

@@ -29,6 +29,10 @@ def _versions() -> dict:
             "gymnasium": gymnasium.__version__, "numpy": np.__version__, "python": platform.python_version()}
 
 
+def _pinned(venv) -> np.ndarray:
+    return venv.pinned() if hasattr(venv, "pinned") else np.zeros(len(FEATURES), dtype=bool)
+
+
 def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
                   check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
     """Write policy.safetensors + policy.json; verify LearnedK picks SB3's actions on a batch of observations."""
@@ -46,7 +50,10 @@ def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: 
         "format_version": FORMAT_VERSION,
         "features": list(FEATURES),
         "normalization": {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
-                          "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs)},
+                          "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs),
+                          # for reading: the features held at their training mean (std < MIN_FEATURE_STD; LearnedK
+                          # derives them from `var`, as agents.ppo.PinnedVecNormalize does in training)
+                          "pinned": [f for f, p in zip(FEATURES, _pinned(venv)) if p]},
         "activation": activation,
         "layers": names,
         "action_to_k": list(range(k_max + 1)),
@@ -71,6 +78,7 @@ def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | No
     rng = np.random.default_rng(0)
     std = np.sqrt(venv.obs_rms.var)
     synthetic = venv.obs_rms.mean + std * rng.standard_normal((n, len(FEATURES)))
+    synthetic[: n // 2, _pinned(venv)] += 1.0  # pinned features far from their training values: still agree
     batch = synthetic if obs is None or len(obs) == 0 else np.concatenate([np.asarray(obs), synthetic])
     batch = batch.astype(np.float32)
     sb3_actions, _ = model.predict(venv.normalize_obs(batch), deterministic=True)

@@ -8,8 +8,10 @@ from typing import Callable
 import numpy as np
 import yaml
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.vec_env import VecNormalize
 
 from decoding.errors import SpecPilotError
+from decoding.learned import MIN_FEATURE_STD
 from decoding.tracking import start_tracking
 
 HYPERPARAMS = Path(__file__).with_name("hyperparams.yaml")
@@ -37,13 +39,41 @@ def load_hyperparams(device: str, overrides: list[str] | dict | None = None, pat
     return hp
 
 
+class PinnedVecNormalize(VecNormalize):
+    """VecNormalize that holds a feature which barely varied in training at its mean (z = 0).
+
+    The policy cannot learn what a feature means if it hardly moved in training (a hardware counter
+    fixed in the replay env, an n-gram drafter's ~0 ms draft cost): its weights stay at their random
+    initialisation, and at inference a small real deviation, divided by a ~0 standard deviation, hits
+    the clip (10) and swings the decision. Found on the CPU policy, whose k at B = 4 differed between
+    the real loop and the replay of the same prompts for that reason alone. Features whose running
+    standard deviation is below `decoding.learned.MIN_FEATURE_STD` are therefore pinned; `LearnedK`
+    applies the same rule to the exported statistics (the export also lists them, for reading)."""
+
+    min_std = MIN_FEATURE_STD
+
+    def pinned(self) -> np.ndarray:
+        return np.sqrt(self.obs_rms.var) < self.min_std
+
+    def _normalize_obs(self, obs: np.ndarray, obs_rms) -> np.ndarray:
+        z = super()._normalize_obs(obs, obs_rms)
+        return np.where(np.sqrt(obs_rms.var) < self.min_std, 0.0, z)
+
+
+def load_vecnormalize(path: str | Path, venv) -> PinnedVecNormalize:
+    """A saved VecNormalize (a checkpoint's), with pinning (one saved before pinning existed gains it)."""
+    loaded = VecNormalize.load(str(path), venv)
+    loaded.__class__ = PinnedVecNormalize
+    return loaded
+
+
 def make_vec_env(env_fn, seed: int):
     from stable_baselines3.common.monitor import Monitor
-    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+    from stable_baselines3.common.vec_env import DummyVecEnv
 
     venv = DummyVecEnv([lambda: Monitor(env_fn())])
     venv.seed(seed)
-    return VecNormalize(venv, norm_obs=True, norm_reward=False, clip_obs=10.0, gamma=1.0)
+    return PinnedVecNormalize(venv, norm_obs=True, norm_reward=False, clip_obs=10.0, gamma=1.0)
 
 
 def make_ppo(venv, hp: dict, seed: int, tensorboard_log: str | None):
@@ -112,13 +142,12 @@ def train(
     """Train (or continue) one PPO model through phases of (name, env_fn, env steps, checkpoint every).
 
     E.g. [("replay", ..., 50000, 10000), ("real", ..., 2048, 512)]: pre-train on the replay env, then
-    fine-tune on the real loop; the observation normalisation carries over. Checkpoints go to
+    fine-tune on the real loop; the observation normalisation carries over, frozen after the first phase. Checkpoints go to
     out_dir/checkpoints; with `resume` the newest one is loaded and training continues in its phase.
     Returns (model, venv of the last phase).
     """
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
-    from stable_baselines3.common.vec_env import VecNormalize
 
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints"
@@ -134,14 +163,14 @@ def train(
     tb_log = str(out_dir / "tensorboard")
     model, venv, done = None, None, 0
     try:
-        for name, env_fn, steps, every in phases:
+        for phase, (name, env_fn, steps, every) in enumerate(phases):
             end = done + steps
             if found and found[2] >= end:  # this phase finished before the checkpoint
                 done = end
                 continue
             fresh = make_vec_env(env_fn, seed)
             if model is None and found:
-                venv = VecNormalize.load(str(found[1]), fresh.venv)
+                venv = load_vecnormalize(found[1], fresh.venv)
                 model = PPO.load(str(found[0]), env=venv, device="cpu", tensorboard_log=tb_log)
             elif model is None:
                 venv = fresh
@@ -150,6 +179,9 @@ def train(
                 fresh.obs_rms = venv.obs_rms
                 venv = fresh
                 model.set_env(venv)
+            # the normalisation is learned in the first phase and frozen after it: a fine-tune sees the
+            # inputs its pre-trained weights were trained on (and the pinned features stay pinned)
+            venv.training = phase == 0
             callbacks = [CheckpointCallback(save_freq=int(every), save_path=str(ckpt_dir), name_prefix="ppo",
                                             save_vecnormalize=True), SpecMetricsCallback()]
             if run is not None:
@@ -165,7 +197,7 @@ def train(
         if run is not None:
             run.finish()
     if model is None:  # resumed after the last phase had finished: load its final checkpoint
-        venv = VecNormalize.load(str(found[1]), make_vec_env(phases[-1][1], seed).venv)
+        venv = load_vecnormalize(found[1], make_vec_env(phases[-1][1], seed).venv)
         model = PPO.load(str(found[0]), env=venv, device="cpu")
     model.save(str(out_dir / "final_model.zip"))
     venv.save(str(out_dir / "final_vecnormalize.pkl"))

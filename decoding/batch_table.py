@@ -80,15 +80,18 @@ def vllm_ranges(k_by_batch: dict[int, int], max_batch: int) -> list[list[int]]:
 
 
 def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, max_batch: int,
-                    hardware=None, episodes: int = 8, seed: int = 0) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
+                    hardware=None, episodes: int = 8, seed: int = 0,
+                    max_new_tokens: int | None = None) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
     """Query a policy on representative observations per batch size: run it in the noise-free replay
     env (the observation builder of training and inference) on `episodes` batches of recorded traces
-    at each batch size 1..max_batch and keep its mean k, rounded. Returns ({b: k}, {b: {k: steps}})."""
+    at each batch size 1..max_batch and keep its mean k, rounded; `max_new_tokens` is the rows' budget
+    (a learned policy's training budget: its remaining-token features mean that). Returns ({b: k}, {b: {k: steps}})."""
     from collections import Counter
 
     from env.replay_env import ReplayEnv
 
-    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=list(range(1, max_batch + 1)))
+    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=list(range(1, max_batch + 1)),
+                    max_new_tokens=max_new_tokens)
     rng = np.random.default_rng(seed)
     chosen, counts = {}, {}
     for b in range(1, max_batch + 1):

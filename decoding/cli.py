@@ -151,6 +151,9 @@ class BenchmarkConfig:
     """Comma-separated batch sizes (e.g. 1,2,4,8,16): benchmark batched decoding instead, the prompts
     taken B at a time and decoded together, every policy on the same batches (policy batch-table: the
     per-batch-size table built from the cost profile and the train traces)."""
+    replay_check: bool = False
+    """Sim-to-real check: run each policy on the real loop and on the replay of the same batches and
+    print the k it chose in each and the observation features that differ most (needs the traces)."""
     replay: bool = False
     """Instead of timing the real loop, evaluate the policies on the recorded traces with the device's
     cost model, without noise (the replay env PPO pre-trains on): seconds instead of minutes."""
@@ -296,7 +299,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
     out.mkdir(parents=True, exist_ok=True)
     if cfg.batch_sizes:
         sizes = _parse_ints(cfg.batch_sizes, "--batch-sizes")
-        by_size = {b: replay_evaluate(policies, traces, cost, cfg.k_max, hardware, batch_size=b) for b in sizes}
+        by_size = {b: replay_evaluate(policies, traces, cost, cfg.k_max, hardware, b, cfg.max_new_tokens) for b in sizes}
         print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}) taken B at a time, "
               f"{cfg.max_new_tokens} tokens, cost profile of {device_key}, draft {draft.name}; speedup over plain at B")
         names = [n for n in policies if n in by_size[sizes[-1]]]
@@ -305,7 +308,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
             print(f"{name:<16}" + "".join(f"{by_size[b][name]['speedup']:>8.3f}x" for b in sizes))
         (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size}, indent=1))
         return 0
-    results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware)
+    results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware, max_new_tokens=cfg.max_new_tokens)
     print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}), {cfg.max_new_tokens} tokens, "
           f"cost profile of {device_key}, draft {draft.name}")
     print(f"{'policy':<16}{'speedup':>9}{'acc.rate':>9}" + (f"{'/oracle':>8}" if "oracle" in results else ""))
@@ -313,6 +316,36 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
               + (f"{row['fraction_of_oracle']:>8.3f}" if "oracle" in results else ""))
     (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results}, indent=1))
+    return 0
+
+
+def _replay_check(cfg, target, device_key: str, draft, sampling, policies: dict, prompts) -> int:
+    import numpy as np
+
+    from env.replay_check import format_check, replay_check
+
+    from .oracle import CostModel, truncate
+
+    traces, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    by_id = {t.question_id: truncate(t, cfg.max_new_tokens) for t in traces}
+    missing = [p.question_id for p in prompts if p.question_id not in by_id]
+    if missing:
+        raise SpecPilotError(f"--replay-check: no recorded trace for {', '.join(missing[:3])}; rerun scripts/profile_device.py")
+    hardware = np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
+    cost = CostModel.from_profile(profile)
+    encoded = [target.encode(p.text, chat=cfg.chat) for p in prompts]
+    results = []
+    for b in _parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [1]:
+        for name, policy in policies.items():
+            if name == "none" or hasattr(policy, "prepare"):
+                continue
+            result = replay_check(target, draft, policy, encoded, [by_id[p.question_id] for p in prompts], cost, b,
+                                  cfg.max_new_tokens, cfg.k_max, hardware)
+            print(format_check(name, result))
+            results.append({"policy": name, **result})
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay_check.json").write_text(json.dumps({"prompts": [p.question_id for p in prompts], "results": results}, indent=1))
     return 0
 
 
@@ -344,6 +377,8 @@ def benchmark_main(argv: list[str] | None = None) -> int:
         else:
             policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key,
                                        draft=draft.name)
+    if cfg.replay_check:
+        return _replay_check(cfg, target, device_key, draft, sampling, policies, prompts)
     if cfg.replay:
         return _replay_benchmark(cfg, device_key, draft, sampling, policies, prompts)
     if cfg.batch_sizes:
@@ -558,8 +593,9 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
         policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device,
                               draft=draft_name(cfg.draft))
     hardware = np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
+    budget = getattr(policy, "meta", {}).get("max_new_tokens")  # a learned policy: the budget it was trained with
     chosen, counts = policy_to_table(policy, traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_batch,
-                                     hardware, cfg.episodes)
+                                     hardware, cfg.episodes, max_new_tokens=budget)
     ranges = vllm_ranges(chosen, cfg.max_batch)
     result = {
         "num_speculative_tokens": max(1, max(k for _, _, k in ranges)),

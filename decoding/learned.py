@@ -16,6 +16,9 @@ from .observation import FEATURES
 from .policies import LengthPolicy
 
 FORMAT_VERSION = 1
+MIN_FEATURE_STD = 0.02
+"""A feature whose standard deviation in training was below this is pinned (held at its training mean).
+The features are O(1) (ratios, fractions, logs of milliseconds): below 0.02 a feature did not vary."""
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,6 +51,11 @@ class LearnedK(LengthPolicy):
         norm = meta["normalization"]
         self.mean = np.asarray(norm["mean"], dtype=np.float64)
         self.inv_std = 1.0 / np.sqrt(np.asarray(norm["var"], dtype=np.float64) + float(norm["epsilon"]))
+        # features that hardly varied in training are held at their training mean (as agents.ppo.PinnedVecNormalize
+        # does in training): their weights never learned anything, and a ~0 std turns noise into a clipped input
+        still = np.sqrt(np.asarray(norm["var"], dtype=np.float64)) < MIN_FEATURE_STD
+        self.pinned = [f for f, s in zip(FEATURES, still) if s]
+        self.inv_std[still] = 0.0
         self.clip = float(norm["clip"])
         self.act = _ACTIVATIONS[meta["activation"]]
         self.layers = [(weights[f"{name}.weight"].astype(np.float64), weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]

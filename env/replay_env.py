@@ -5,6 +5,12 @@ from position i with action k drafts k' = min(k, a(i)) tokens and accepts min(k'
 the device's profiled step cost t(k', context) times log-normal noise of the measured size. The one
 observation builder sees the same kind of StepResult as in the real loop, so a policy pre-trained
 here runs unchanged on the real env. Thousands of times faster than the real loop.
+
+What the replay must not leak: a row's budget is `max_new_tokens`, as in the real loop, though the
+trace knows where the row will end (EOS); `remaining` counts to the budget and the row simply stops
+at its trace's end. With `speed_jitter` J each episode runs the whole profile J^u times faster or
+slower (u uniform in [-1, 1]): the machine's speed drifts, so the measured-cost features must not be
+read as absolute (the reward, in plain steps, is unchanged by it).
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ class ReplayRow(RowView):
     length: int
     prompt_len: int
     max_new_tokens: int
+    end: int
+    """Tokens this row generates (its trace's length within the budget); `max_new_tokens` is the budget."""
     done: bool = False
 
 
@@ -74,7 +82,7 @@ class ReplayEnv(gym.Env):
 
     def __init__(self, traces: list[Trace], cost: CostModel, k_max: int = 8, noise: float = 0.05,
                  hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved",
-                 batch_sizes: tuple[int, ...] | list[int] = (1,)):
+                 batch_sizes: tuple[int, ...] | list[int] = (1,), speed_jitter: float = 1.0):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
@@ -87,19 +95,22 @@ class ReplayEnv(gym.Env):
             raise SpecPilotError("the cost profile has no batch sizes; run scripts/profile_device.py --batch-sizes 1,2,4,8,16")
         self.traces, self.cost, self.k_max, self.noise = traces, cost, k_max, noise
         self.max_new_tokens, self.reward = max_new_tokens, reward
+        if speed_jitter < 1.0:
+            raise SpecPilotError(f"speed_jitter is a factor >= 1 (1 = off), got {speed_jitter}")
+        self.speed_jitter, self.speed = float(speed_jitter), 1.0
         from decoding.hardware import HW_FEATURES
 
         monitor = FixedMonitor(hardware if hardware is not None else np.zeros(len(HW_FEATURES), dtype=np.float32))
         self.observer = ObservationBuilder(k_max, monitor=monitor)
-        self.credit = PlainCredit(lambda context, batch: float(cost.step_costs(context, batch)[0][0]))
+        self.credit = PlainCredit(lambda context, batch: self.speed * float(cost.step_costs(context, batch)[0][0]))
         self.action_space = gym.spaces.Discrete(k_max + 1)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state: ReplayState | None = None
 
     def _row(self, trace: Trace) -> ReplayRow:
-        n = len(trace.output_ids) if self.max_new_tokens is None else min(self.max_new_tokens, len(trace.output_ids))
+        budget = len(trace.output_ids) if self.max_new_tokens is None else self.max_new_tokens
         return ReplayRow(trace, np.asarray(trace.prompt_ids + trace.output_ids, dtype=np.int64), len(trace.prompt_ids),
-                         len(trace.prompt_ids), n)
+                         len(trace.prompt_ids), budget, min(budget, len(trace.output_ids)))
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -113,6 +124,8 @@ class ReplayEnv(gym.Env):
                 self.batch_sizes[0] if len(self.batch_sizes) == 1 else int(self.np_random.choice(self.batch_sizes)))
             indices = [int(i) for i in self.np_random.integers(len(self.traces), size=batch)]
         rows = [self._row(self.traces[i]) for i in indices]
+        if self.speed_jitter > 1.0:
+            self.speed = float(self.speed_jitter ** self.np_random.uniform(-1.0, 1.0))
         self.trace = rows[0].trace
         self.state = ReplayState(rows, list(range(len(rows))))
         self.state.draft = TracedDraft(self.state)
@@ -139,14 +152,15 @@ class ReplayEnv(gym.Env):
         context = sum(r.length for r in rows) / batch
         table, draft_per_token = self.cost.step_costs(context, batch)
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
+        noise *= self.speed
         seconds = table[drafted] * noise
         draft_s = min(draft_per_token * drafted * noise, seconds)
         first = rows[0].trace, rows[0].length - rows[0].prompt_len
         for r, accepted in zip(rows, accepted_rows):
-            n_new = min(accepted + 1, r.remaining)
+            n_new = min(accepted + 1, r.end - (r.length - r.prompt_len))
             new_rows.append(r.buffer[r.length : r.length + n_new].tolist())
             r.length += n_new
-            r.done = r.remaining <= 0
+            r.done = r.length - r.prompt_len >= r.end
         trace, i = first
         step = StepResult(k=drafted, k_requested=int(action),
                           accepted=accepted_rows[0] if batch == 1 else sum(accepted_rows) / batch,
@@ -163,6 +177,8 @@ class ReplayEnv(gym.Env):
         saved = self.credit.take(state)  # plain decoding time this step removed
         reward = step_reward(saved / self.credit.unit, seconds, self.credit.unit, self.reward)
         self.episode.add(tokens, seconds, saved, drafted * batch, sum(accepted_rows))
+        if state.done:  # as in the real env: plain decoding's time for the rows' true lengths
+            self.episode.plain_seconds = self.credit.batch_seconds([r.end for r in state.rows])
         info = {"k": drafted, "accepted": step.accepted, "tokens": tokens, "seconds": seconds,
                 "tokens_per_s": tokens / seconds, "batch_size": batch}
         if state.done:
@@ -185,17 +201,31 @@ def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -
     return steps / (time.perf_counter() - t0)
 
 
+def replay_episode(env: ReplayEnv, policy, trace_indices: list[int]) -> EpisodeStats:
+    """One replayed batch of these traces under `policy` (reset, then choose_k / update every step)."""
+    obs, _ = env.reset(options={"trace_indices": trace_indices})
+    policy.reset()
+    done = False
+    while not done:
+        obs, _, done, _, _ = env.step(policy.choose_k(obs))
+        policy.update(env.last_step)
+    return env.episode
+
+
 def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max: int,
-                    hardware: np.ndarray | None = None, batch_size: int = 1) -> dict[str, dict]:
+                    hardware: np.ndarray | None = None, batch_size: int = 1,
+                    max_new_tokens: int | None = None) -> dict[str, dict]:
     """Noise-free speedup over plain decoding of each policy on the traces, by the device's cost model.
 
     The same replay env PPO pre-trains on, without noise: a policy's number here depends only on its
     choices, so policies (and the oracle, which the replay reproduces exactly) compare free of timing
     noise. With batch_size B the traces are replayed B at a time (consecutive groups) as batches.
+    `max_new_tokens`: the generation budget the rows see (as in the real loop; default: each trace's length).
     """
     from decoding.benchmark import batches_of
 
-    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size])
+    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size],
+                    max_new_tokens=max_new_tokens)
     groups = batches_of(len(traces), batch_size)
     results = {}
     for name, policy in policies.items():
@@ -206,12 +236,7 @@ def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max:
         for group in groups:
             if hasattr(policy, "prepare"):
                 policy.prepare(traces[group[0]].question_id)
-            obs, _ = env.reset(options={"trace_indices": group})
-            policy.reset()
-            done = False
-            while not done:
-                obs, _, done, _, _ = env.step(policy.choose_k(obs))
-                policy.update(env.last_step)
+            replay_episode(env, policy, group)
             seconds += env.episode.seconds
             plain += env.episode.plain_seconds
             drafted += env.episode.drafted

@@ -10,6 +10,7 @@ import pytest
 
 from decoding.batch_table import BatchTableK, policy_to_table, vllm_ranges
 from decoding.cli import export_vllm_main, run_cli
+from decoding.errors import SpecPilotError
 from decoding.models import load_draft, load_target
 from decoding.observation import FEATURES
 from decoding.oracle import CostModel, Trace
@@ -214,3 +215,39 @@ def test_batch_observation_sees_the_row_behind():
     assert obs[spread] == 0.0 and obs[behind] == pytest.approx(0.5)  # both rows equally far: the mean
     obs, *_ = env.step(2)  # row a takes 3 tokens, row b 1: b is behind and can draft nothing
     assert obs[behind] == 0.0 and obs[spread] == pytest.approx(1 / 10)
+
+
+def test_replay_row_budget_is_max_new_tokens_not_its_trace_end():
+    """The real loop does not know where a row will end (EOS): its remaining tokens count to the budget.
+    The replay must not leak the trace's end into the observation; the row still stops there."""
+    trace = Trace("a", "c", [1, 2], list(range(6)), [0] * 6, [0] * 6, k_max=K_MAX)  # ended (EOS) after 6 tokens
+    env = ReplayEnv([trace], flat_batch_cost(), k_max=K_MAX, noise=0.0, max_new_tokens=10)
+    env.reset(options={"trace_indices": [0]})
+    obs, *_ = env.step(0)
+    assert obs[FEATURES.index("remaining_frac")] == pytest.approx(9 / 10)
+    steps, done = 1, False
+    while not done:
+        _, _, done, _, info = env.step(0)
+        steps += 1
+    assert steps == 6 and env.state.generated == trace.output_ids
+    assert info["spec_episode"]["speedup"] == pytest.approx(1.0)  # plain decoding of the 6 tokens it did generate
+
+
+def test_replay_speed_jitter_moves_cost_features_not_rewards():
+    traces = [Trace(f"t{i}", "c", [1, 2], list(range(12)), [1] * 12, [2] * 12, k_max=K_MAX) for i in range(2)]
+    verify_ms = FEATURES.index("verify_ms_per_token_log")
+    runs = []
+    for jitter in (1.0, 1.5):
+        env = ReplayEnv(traces, flat_batch_cost(), k_max=K_MAX, noise=0.0, batch_sizes=[2], speed_jitter=jitter)
+        seen, rewards = [], []
+        for episode in range(6):
+            env.reset(seed=episode, options={"trace_indices": [0, 1]})
+            obs, r, *_ = env.step(2)
+            seen.append(obs[verify_ms])
+            rewards.append(r)
+        runs.append((seen, rewards))
+    (plain_ms, plain_r), (jitter_ms, jitter_r) = runs
+    assert len(set(np.round(plain_ms, 6))) == 1 and len(set(np.round(jitter_ms, 6))) == 6
+    np.testing.assert_allclose(jitter_r, plain_r, rtol=1e-9)
+    with pytest.raises(SpecPilotError, match="speed_jitter"):
+        ReplayEnv(traces, flat_batch_cost(), k_max=K_MAX, speed_jitter=0.5)

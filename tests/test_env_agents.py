@@ -123,6 +123,36 @@ def test_export_round_trip_matches_sb3(trained):
     assert list(sb3) == ours
 
 
+def test_features_constant_in_training_are_pinned(trained):
+    """A feature that did not vary in training (the GPU counters on a CPU run) is recorded as pinned and
+    held at its training mean: any value of it leaves the decision unchanged, while the others still count."""
+    meta = json.loads((policy_dir(trained) / "policy.json").read_text())
+    pinned = meta["normalization"]["pinned"]
+    assert "hw_is_gpu" in pinned and "accept_rate_ema" not in pinned
+    policy = LearnedK.load(policy_dir(trained))
+    rng = np.random.default_rng(2)
+    obs = (policy.mean + rng.standard_normal((64, len(FEATURES)))).astype(np.float32)
+    moved = obs.copy()
+    moved[:, [FEATURES.index(f) for f in pinned]] += rng.uniform(-5, 5, (64, len(pinned)))
+    np.testing.assert_allclose(policy.logits(moved), policy.logits(obs))
+    other = obs.copy()
+    other[:, FEATURES.index("accept_rate_ema")] += 3.0
+    assert not np.allclose(policy.logits(other), policy.logits(obs))
+
+
+def test_pinned_normalization_matches_vecnormalize_elsewhere():
+    from stable_baselines3.common.running_mean_std import RunningMeanStd
+
+    from agents.ppo import PinnedVecNormalize
+
+    norm = PinnedVecNormalize.__new__(PinnedVecNormalize)  # only the normalisation arithmetic is used
+    norm.epsilon, norm.clip_obs = 1e-8, 10.0
+    rms = RunningMeanStd(shape=(3,))
+    rms.mean, rms.var = np.array([1.0, 0.5, 0.0]), np.array([1e-6, 0.25, 4.0])
+    z = norm._normalize_obs(np.array([[1.3, 1.0, -2.0]]), rms)
+    np.testing.assert_allclose(z, [[0.0, 1.0, -1.0]], atol=1e-6)  # without pinning the first would be 10 (clipped)
+
+
 def test_resume_continues_step_count(tiny_model_dirs, tmp_path):
     from agents.cli import train_main
     from agents.ppo import latest_checkpoint

@@ -186,3 +186,30 @@ def test_replay_evaluate_reproduces_the_oracle(recorded):
     assert results["oracle"]["speedup"] == pytest.approx(plain / oracle_schedule(trace, cost, 4)[0])
     assert results["none"]["speedup"] == pytest.approx(1.0)
     assert all(r["fraction_of_oracle"] <= 1.0 + 1e-9 for r in results.values())
+
+
+def test_replay_check_sees_what_the_real_loop_sees(recorded):
+    """Policies that ignore timing and hardware choose the same k on the real loop and on its replay;
+    a policy reading a feature the replay fakes is caught, and the feature is named."""
+    from decoding.hardware import HW_FEATURES
+    from decoding.observation import FEATURES
+    from decoding.policies import HeuristicK, LengthPolicy
+    from env.replay_check import replay_check
+
+    target, draft, trace = recorded
+    for policy in (StaticK(3), HeuristicK(4)):
+        result = replay_check(target, draft, policy, [trace.prompt_ids], [trace], hand_cost(), 1, 30, 4)
+        assert result["real_k"] == result["replay_k"] and result["k_distance"] == 0.0
+        assert sum(result["real_k"]) > 5
+
+    class ReadsHardware(LengthPolicy):
+        k_max = 4
+
+        def choose_k(self, obs):
+            return 3 if obs[FEATURES.index("hw_cpu_available")] > 5 else 1
+
+    fake = np.full(len(HW_FEATURES), 7.0, dtype=np.float32)  # the replay's recorded counters: out of any real range
+    result = replay_check(target, draft, ReadsHardware(), [trace.prompt_ids], [trace], hand_cost(), 1, 30, 4, fake)
+    assert result["k_distance"] == 1.0 and result["replay_k"][3] == sum(result["replay_k"])
+    real_mean, replay_mean, shift = result["features"]["hw_cpu_available"]
+    assert real_mean <= 1.0 and replay_mean == pytest.approx(7.0) and shift < -1.0

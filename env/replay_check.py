@@ -1,0 +1,86 @@
+"""The sim-to-real check: does the replay env show a policy what the real loop shows it?
+
+A policy pre-trained on the replay env is only as good as the replay's observations are faithful.
+`replay_check` runs the policy on the real loop and on the replay of the same prompts (same batches)
+and returns the k it chose in each and how far each observation feature moved between them, in the
+policy's own normalised units for a learned policy. Greedy acceptance does not depend on the
+schedule, so a policy that ignores timing and hardware (static k, the heuristic) chooses the same
+k in both; a learned policy should come close, and a feature far apart names the leak.
+(`scripts/benchmark.py --replay-check` prints it.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from decoding.observation import FEATURES
+from decoding.policies import LengthPolicy
+
+
+class Recorder(LengthPolicy):
+    """Wraps a policy and keeps every (observation, k) it was asked for."""
+
+    def __init__(self, policy: LengthPolicy):
+        self.policy, self.name, self.k_max, self.stop_below = policy, policy.name, policy.k_max, policy.stop_below
+        self.seen: list[tuple[np.ndarray, int]] = []
+
+    def reset(self) -> None:
+        self.policy.reset()
+
+    def choose_k(self, obs: np.ndarray) -> int:
+        k = self.policy.choose_k(obs)
+        self.seen.append((np.array(obs, dtype=np.float64), k))
+        return k
+
+    def update(self, step) -> None:
+        self.policy.update(step)
+
+
+def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]], traces, cost, batch_size: int,
+                 max_new_tokens: int, k_max: int, hardware=None) -> dict:
+    """`traces[i]` must be the recorded trace of `prompt_ids[i]`. Returns {"real_k", "replay_k"}: how
+    often each k was chosen; "k_distance": total variation distance between the two (0 = the same
+    choices as often, 1 = disjoint); "features": per feature (real mean, replay mean, shift in
+    standard deviations: the policy's training ones for a learned policy, else the pooled ones)."""
+    from decoding.benchmark import batches_of
+    from decoding.loop import generate
+
+    from .replay_env import ReplayEnv, replay_episode
+
+    groups = batches_of(len(prompt_ids), batch_size)
+    real = Recorder(policy)
+    generate(target, draft, real, [prompt_ids[i] for i in groups[0]], 4)  # warm-up, not recorded
+    real.seen.clear()
+    for group in groups:
+        generate(target, draft if policy.k_max > 0 else None, real, [prompt_ids[i] for i in group], max_new_tokens)
+    replay = Recorder(policy)
+    env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size],
+                    max_new_tokens=max_new_tokens)
+    for group in groups:
+        replay_episode(env, replay, group)
+    hist = {name: np.bincount([k for _, k in rec.seen], minlength=k_max + 1)
+            for name, rec in (("real", real), ("replay", replay))}
+    real_obs = np.array([o for o, _ in real.seen])
+    replay_obs = np.array([o for o, _ in replay.seen])
+    if hasattr(policy, "inv_std"):  # a learned policy: its own normalisation (pinned features: 0)
+        scale = policy.inv_std
+    else:
+        std = np.concatenate([real_obs, replay_obs]).std(axis=0)
+        scale = np.where(std > 0, 1.0 / np.where(std > 0, std, 1.0), 0.0)
+    shift = (real_obs.mean(axis=0) - replay_obs.mean(axis=0)) * scale
+    p, q = hist["real"] / hist["real"].sum(), hist["replay"] / hist["replay"].sum()
+    return {
+        "batch_size": batch_size,
+        "real_k": hist["real"].tolist(),
+        "replay_k": hist["replay"].tolist(),
+        "k_distance": float(0.5 * np.abs(p - q).sum()),
+        "features": {name: [float(a), float(b), float(z)]
+                     for name, a, b, z in zip(FEATURES, real_obs.mean(axis=0), replay_obs.mean(axis=0), shift)},
+    }
+
+
+def format_check(name: str, result: dict, top: int = 3) -> str:
+    """One line: the k histograms, their distance, and the features that moved most."""
+    moved = sorted(result["features"].items(), key=lambda kv: -abs(kv[1][2]))[:top]
+    features = ", ".join(f"{f} {z:+.2f}" for f, (_, _, z) in moved)
+    return (f"{name:<16}B={result['batch_size']:<3} real k {result['real_k']}  replay k {result['replay_k']}  "
+            f"distance {result['k_distance']:.2f}  most moved (sd): {features}")
