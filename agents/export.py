@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from decoding.errors import SpecPilotError
-from decoding.learned import FORMAT_VERSION, LearnedK
+from decoding.learned import FORMAT_VERSION, LearnedK, pinned_mask
 from decoding.observation import FEATURES
 
 
@@ -27,10 +27,6 @@ def _versions() -> dict:
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "stable_baselines3": stable_baselines3.__version__,
             "gymnasium": gymnasium.__version__, "numpy": np.__version__, "python": platform.python_version()}
-
-
-def _pinned(venv) -> np.ndarray:
-    return venv.pinned() if hasattr(venv, "pinned") else np.zeros(len(FEATURES), dtype=bool)
 
 
 def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
@@ -53,7 +49,7 @@ def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: 
                           "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs),
                           # for reading: the features held at their training mean (std < MIN_FEATURE_STD; LearnedK
                           # derives them from `var`, as agents.ppo.PinnedVecNormalize does in training)
-                          "pinned": [f for f, p in zip(FEATURES, _pinned(venv)) if p]},
+                          "pinned": [f for f, p in zip(FEATURES, pinned_mask(venv.obs_rms.var)) if p]},
         "activation": activation,
         "layers": names,
         "action_to_k": list(range(k_max + 1)),
@@ -78,7 +74,7 @@ def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | No
     rng = np.random.default_rng(0)
     std = np.sqrt(venv.obs_rms.var)
     synthetic = venv.obs_rms.mean + std * rng.standard_normal((n, len(FEATURES)))
-    synthetic[: n // 2, _pinned(venv)] += 1.0  # pinned features far from their training values: still agree
+    synthetic[: n // 2, pinned_mask(venv.obs_rms.var)] += 1.0  # pinned features far from their training values: still agree
     batch = synthetic if obs is None or len(obs) == 0 else np.concatenate([np.asarray(obs), synthetic])
     batch = batch.astype(np.float32)
     sb3_actions, _ = model.predict(venv.normalize_obs(batch), deterministic=True)

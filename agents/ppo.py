@@ -11,7 +11,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecNormalize
 
 from decoding.errors import SpecPilotError
-from decoding.learned import MIN_FEATURE_STD
+from decoding.learned import pinned_mask
 from decoding.tracking import start_tracking
 
 HYPERPARAMS = Path(__file__).with_name("hyperparams.yaml")
@@ -50,14 +50,8 @@ class PinnedVecNormalize(VecNormalize):
     standard deviation is below `decoding.learned.MIN_FEATURE_STD` are therefore pinned; `LearnedK`
     applies the same rule to the exported statistics (the export also lists them, for reading)."""
 
-    min_std = MIN_FEATURE_STD
-
-    def pinned(self) -> np.ndarray:
-        return np.sqrt(self.obs_rms.var) < self.min_std
-
     def _normalize_obs(self, obs: np.ndarray, obs_rms) -> np.ndarray:
-        z = super()._normalize_obs(obs, obs_rms)
-        return np.where(np.sqrt(obs_rms.var) < self.min_std, 0.0, z)
+        return np.where(pinned_mask(obs_rms.var), 0.0, super()._normalize_obs(obs, obs_rms))
 
 
 def load_vecnormalize(path: str | Path, venv) -> PinnedVecNormalize:

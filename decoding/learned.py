@@ -19,6 +19,11 @@ FORMAT_VERSION = 1
 MIN_FEATURE_STD = 0.02
 """A feature whose standard deviation in training was below this is pinned (held at its training mean).
 The features are O(1) (ratios, fractions, logs of milliseconds): below 0.02 a feature did not vary."""
+
+
+def pinned_mask(var) -> np.ndarray:
+    """Which features are pinned, from their training variances (the one rule of training and inference)."""
+    return np.sqrt(np.asarray(var, dtype=np.float64)) < MIN_FEATURE_STD
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,7 +58,7 @@ class LearnedK(LengthPolicy):
         self.inv_std = 1.0 / np.sqrt(np.asarray(norm["var"], dtype=np.float64) + float(norm["epsilon"]))
         # features that hardly varied in training are held at their training mean (as agents.ppo.PinnedVecNormalize
         # does in training): their weights never learned anything, and a ~0 std turns noise into a clipped input
-        still = np.sqrt(np.asarray(norm["var"], dtype=np.float64)) < MIN_FEATURE_STD
+        still = pinned_mask(norm["var"])
         self.pinned = [f for f, s in zip(FEATURES, still) if s]
         self.inv_std[still] = 0.0
         self.clip = float(norm["clip"])
