@@ -173,7 +173,8 @@ def train_main(argv: list[str] | None = None) -> int:
                         wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress)
     provenance = {"target": target.name, "draft": draft.name, "max_new_tokens": int(hp["max_new_tokens"]),
                   "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
-                  "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed}
+                  "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed,
+                  "env": mode, "hyperparams": hp}
     meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
                               check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
                               activation=str(hp["activation"]))

@@ -8,6 +8,7 @@ Greedy runs are also checked token for token against plain decoding.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -250,8 +251,10 @@ def summarize_batches(runs: list[BatchRun], greedy: bool = True) -> dict:
             seconds = sum(statistics.median(r.seconds for r in by_key[(b, policy, i)]) for i in batches)
             tokens = sum(by_key[(b, policy, i)][0].new_tokens for i in batches)
             drafted = sum(r.drafted for r in group)
+            paired = _paired_speedups(by_key, b, policy, batches)
             table[str(b)][policy] = {
                 "batches": len(batches),
+                **paired,
                 "tokens_per_s": tokens / seconds,
                 "speedup": (tokens / seconds) / (plain_tokens / plain_s),
                 "accept_rate": sum(r.accepted for r in group) / drafted if drafted else 0.0,
@@ -261,6 +264,43 @@ def summarize_batches(runs: list[BatchRun], greedy: bool = True) -> dict:
                                 for i in batches) if greedy else None,
             }
     return {"batch_sizes": sizes, "policies": policies, "table": table}
+
+
+def _paired_speedups(by_key: dict, b: int, policy: str, batches: list[int]) -> dict:
+    """Speedup over plain decoding within each repeat (the policy's and plain's runs of the same batches in
+    the same pass over the plan, so slow drift of the machine cancels), their geometric mean and an
+    approximate 95% interval of it, exp(mean log +- 2 standard errors); with few repeats only a rough one."""
+    repeats: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    for i in batches:
+        for name, slot in ((policy, 0), ("none", 2)):
+            for run in by_key[(b, name, i)]:
+                acc = repeats[run.repeat]
+                acc[slot] += run.new_tokens
+                acc[slot + 1] += run.seconds
+    ratios = [(t / s) / (pt / ps) for t, s, pt, ps in repeats.values() if s > 0 and ps > 0 and t and pt]
+    if not ratios:
+        return {}
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    return {"speedup_per_repeat": ratios, "speedup_paired": math.exp(mean),
+            "speedup_paired_interval": [math.exp(mean - 2 * se), math.exp(mean + 2 * se)] if len(logs) > 1 else None}
+
+
+def format_paired_table(summary: dict) -> str:
+    """Rows: policies; columns: batch sizes, each 'paired speedup [approx. 95% interval]' over the repeats."""
+    sizes = summary["batch_sizes"]
+    head = f"{'policy':<16}" + "".join(f"{'B=' + str(b):>24}" for b in sizes)
+    lines = [head, "-" * len(head)]
+    for policy in summary["policies"]:
+        cells = []
+        for b in sizes:
+            c = summary["table"][str(b)][policy]
+            interval = c.get("speedup_paired_interval")
+            text = f"{c['speedup_paired']:.3f}" if "speedup_paired" in c else "-"
+            cells.append(text + (f" [{interval[0]:.3f},{interval[1]:.3f}]" if interval else ""))
+        lines.append(f"{policy:<16}" + "".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)
 
 
 def format_batch_table(summary: dict) -> str:

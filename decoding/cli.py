@@ -229,7 +229,12 @@ def _parse_ints(text: str, flag: str) -> list[int]:
 
 
 def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, device_key, hardware_name, argv) -> int:
-    from .benchmark import format_batch_table, run_batch_benchmark, summarize_batches
+    from .benchmark import (
+        format_batch_table,
+        format_paired_table,
+        run_batch_benchmark,
+        summarize_batches,
+    )
     from .plots import plot_batch_benchmark
 
     sizes = _parse_ints(cfg.batch_sizes, "--batch-sizes")
@@ -259,6 +264,9 @@ def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) | batch sizes {sizes} | "
           f"{cfg.max_new_tokens} new tokens per row | {hardware_name}")
     print(format_batch_table(summary))
+    if cfg.repeats > 1:
+        print("speedup over plain within each repeat (paired): geometric mean [approx. 95% interval]")
+        print(format_paired_table(summary))
     print(f"results: {out / 'batch_results.json'}")
     return 0
 
@@ -277,6 +285,18 @@ def _batch_markdown(summary: dict, meta: dict, plot_name: str, command: str) -> 
     lines += ["", "Mean k chosen:", "", "| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for policy in summary["policies"]:
         lines.append(f"| {policy} | " + " | ".join(f"{summary['table'][str(b)][policy]['mean_k']:.2f}" for b in sizes) + " |")
+    if meta.get("repeats", 1) > 1:
+        lines += ["", (f"Speedup over plain within each of the {meta['repeats']} repeats (the policy's and plain "
+                       "decoding's runs of the same batches in the same pass, so slow drift of the machine cancels): "
+                       "geometric mean [approx. 95% interval, exp(mean log +- 2 standard errors)]."), "",
+                  "| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        for policy in summary["policies"]:
+            cells = []
+            for b in sizes:
+                c = summary["table"][str(b)][policy]
+                interval = c.get("speedup_paired_interval")
+                cells.append(f"{c['speedup_paired']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""))
+            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     lines += ["", f"![tokens/s and speedup vs batch size]({plot_name})", ""]
     return "\n".join(lines)
 
@@ -302,10 +322,13 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         by_size = {b: replay_evaluate(policies, traces, cost, cfg.k_max, hardware, b, cfg.max_new_tokens) for b in sizes}
         print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}) taken B at a time, "
               f"{cfg.max_new_tokens} tokens, cost profile of {device_key}, draft {draft.name}; speedup over plain at B")
-        names = [n for n in policies if n in by_size[sizes[-1]]]
+        names = [n for n in policies if any(n in by_size[b] for b in sizes)]
         print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>9}" for b in sizes))
         for name in names:
-            print(f"{name:<16}" + "".join(f"{by_size[b][name]['speedup']:>8.3f}x" for b in sizes))
+            print(f"{name:<16}" + "".join(f"{by_size[b][name]['speedup']:>8.3f}x" if name in by_size[b] else f"{'-':>9}"
+                                          for b in sizes))
+        if "oracle" in policies and max(sizes) > 1:
+            print("oracle: its hindsight schedule is per sequence, so it is shown at B = 1 only")
         (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size}, indent=1))
         return 0
     results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware, max_new_tokens=cfg.max_new_tokens)

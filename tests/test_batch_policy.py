@@ -251,3 +251,26 @@ def test_replay_speed_jitter_moves_cost_features_not_rewards():
     np.testing.assert_allclose(jitter_r, plain_r, rtol=1e-9)
     with pytest.raises(SpecPilotError, match="speed_jitter"):
         ReplayEnv(traces, flat_batch_cost(), k_max=K_MAX, speed_jitter=0.5)
+
+
+def test_paired_speedup_per_repeat_and_its_interval():
+    """The machine is twice as slow in the second repeat; within each repeat the policy takes 0.8x plain's
+    time, so its paired speedup is 1.25 in both and the interval collapses on it. A repeat where only
+    plain decoding ran slow shows as that repeat's ratio and widens the interval."""
+    from decoding.benchmark import BatchRun, summarize_batches
+
+    def run(policy, repeat, seconds):
+        return BatchRun(policy, 2, 0, ["a", "b"], repeat, 20, seconds, 10, 0, 0, 0.0, [0] * 10, [[1], [2]])
+
+    runs = [run("none", 0, 1.0), run("fast", 0, 0.8), run("none", 1, 2.0), run("fast", 1, 1.6)]
+    cell = summarize_batches(runs)["table"]["2"]["fast"]
+    assert cell["speedup_per_repeat"] == pytest.approx([1.25, 1.25])
+    assert cell["speedup_paired"] == pytest.approx(1.25)
+    assert cell["speedup_paired_interval"] == pytest.approx([1.25, 1.25])
+    runs += [run("none", 2, 3.0), run("fast", 2, 1.2)]  # a repeat where plain decoding was hit by noise
+    cell = summarize_batches(runs)["table"]["2"]["fast"]
+    assert cell["speedup_per_repeat"] == pytest.approx([1.25, 1.25, 2.5])
+    assert cell["speedup_paired"] == pytest.approx((1.25 * 1.25 * 2.5) ** (1 / 3))
+    low, high = cell["speedup_paired_interval"]
+    assert low < 1.25 and high > 2.0
+    assert summarize_batches(runs)["table"]["2"]["none"]["speedup_paired"] == pytest.approx(1.0)
