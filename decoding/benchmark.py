@@ -287,19 +287,21 @@ def _paired_speedups(by_key: dict, b: int, policy: str, batches: list[int]) -> d
             "speedup_paired_interval": [math.exp(mean - 2 * se), math.exp(mean + 2 * se)] if len(logs) > 1 else None}
 
 
+def paired_cell(cell: dict) -> str:
+    """'1.054 [0.948, 1.172]': a cell's paired speedup and its interval (see `_paired_speedups`)."""
+    if "speedup_paired" not in cell:
+        return "-"
+    interval = cell.get("speedup_paired_interval")
+    return f"{cell['speedup_paired']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
 def format_paired_table(summary: dict) -> str:
     """Rows: policies; columns: batch sizes, each 'paired speedup [approx. 95% interval]' over the repeats."""
     sizes = summary["batch_sizes"]
-    head = f"{'policy':<16}" + "".join(f"{'B=' + str(b):>24}" for b in sizes)
+    head = f"{'policy':<16}" + "".join(f"{'B=' + str(b):>25}" for b in sizes)
     lines = [head, "-" * len(head)]
     for policy in summary["policies"]:
-        cells = []
-        for b in sizes:
-            c = summary["table"][str(b)][policy]
-            interval = c.get("speedup_paired_interval")
-            text = f"{c['speedup_paired']:.3f}" if "speedup_paired" in c else "-"
-            cells.append(text + (f" [{interval[0]:.3f},{interval[1]:.3f}]" if interval else ""))
-        lines.append(f"{policy:<16}" + "".join(f"{c:>24}" for c in cells))
+        lines.append(f"{policy:<16}" + "".join(f"{paired_cell(summary['table'][str(b)][policy]):>25}" for b in sizes))
     return "\n".join(lines)
 
 

@@ -272,6 +272,8 @@ def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
 
 
 def _batch_markdown(summary: dict, meta: dict, plot_name: str, command: str) -> str:
+    from .benchmark import paired_cell
+
     sizes = summary["batch_sizes"]
     lines = [f"# Batched benchmark: {meta.get('hardware')} ({meta.get('device')})", "", f"Regenerate with: `{command}`", "",
              f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split), "
@@ -291,12 +293,7 @@ def _batch_markdown(summary: dict, meta: dict, plot_name: str, command: str) -> 
                        "geometric mean [approx. 95% interval, exp(mean log +- 2 standard errors)]."), "",
                   "| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
         for policy in summary["policies"]:
-            cells = []
-            for b in sizes:
-                c = summary["table"][str(b)][policy]
-                interval = c.get("speedup_paired_interval")
-                cells.append(f"{c['speedup_paired']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""))
-            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+            lines.append(f"| {policy} | " + " | ".join(paired_cell(summary["table"][str(b)][policy]) for b in sizes) + " |")
     lines += ["", f"![tokens/s and speedup vs batch size]({plot_name})", ""]
     return "\n".join(lines)
 

@@ -278,12 +278,15 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
     code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"].replace("draft", "draft"),
                            "--prompts", str(prompts), "--policies", f"none,static:2,batch-table,learned:{policy_dir(trained)}",
                            "--k-max", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2,3", "--out", str(tmp_path / "bb"),
-                           "--report", str(tmp_path / "reports" / "batch.md"), "--no-progress"])
+                           "--report", str(tmp_path / "reports" / "batch.md"), "--repeats", "2", "--no-progress"])
     assert code == 0
     batch = json.loads((tmp_path / "bb" / "batch_results.json").read_text())
     assert batch["summary"]["batch_sizes"] == [1, 2, 3]
     assert all(cell["lossless"] for row in batch["summary"]["table"].values() for cell in row.values())
-    assert "B=3" in capsys.readouterr().out and (tmp_path / "reports" / "batch.png").exists()
+    assert all(len(cell["speedup_per_repeat"]) == 2 for row in batch["summary"]["table"].values() for cell in row.values())
+    out = capsys.readouterr().out
+    assert "B=3" in out and "(paired)" in out and (tmp_path / "reports" / "batch.png").exists()
+    assert "within each of the 2 repeats" in (tmp_path / "reports" / "batch.md").read_text()
     code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--prompts", str(prompts),
                            "--policies", f"none,static:1..2,heuristic,confidence:0.5,learned:{policy_dir(trained)},oracle",
                            "--k-max", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "bench"),
