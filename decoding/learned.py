@@ -24,6 +24,8 @@ The features are O(1) (ratios, fractions, logs of milliseconds): below 0.02 a fe
 def pinned_mask(var) -> np.ndarray:
     """Which features are pinned, from their training variances (the one rule of training and inference)."""
     return np.sqrt(np.asarray(var, dtype=np.float64)) < MIN_FEATURE_STD
+
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
