@@ -158,6 +158,13 @@ def train_main(argv: list[str] | None = None) -> int:
         replay_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
                                    int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), batch_sizes,
                                    float(hp["replay_speed_jitter"]))
+        warmup = int(hp.get("replay_warmup_timesteps") or 0)
+        if warmup > 0:
+            warmup_sizes = [int(b) for b in hp.get("replay_warmup_batch_sizes") or [1]]
+            warmup_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
+                                       int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), warmup_sizes,
+                                       float(hp["replay_speed_jitter"]))
+            phases.append(("replay-warmup", warmup_fn, warmup, int(hp["replay_checkpoint_every"])))
         phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), int(hp["replay_checkpoint_every"])))
         from env.replay_env import replay_steps_per_second
 

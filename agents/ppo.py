@@ -135,8 +135,9 @@ def train(
 ):
     """Train (or continue) one PPO model through phases of (name, env_fn, env steps, checkpoint every).
 
-    E.g. [("replay", ..., 50000, 10000), ("real", ..., 2048, 512)]: pre-train on the replay env, then
-    fine-tune on the real loop; the observation normalisation carries over, frozen after the first phase. Checkpoints go to
+    E.g. [("replay-warmup", ..., 300000, 50000), ("replay", ..., 50000, 10000), ("real", ..., 2048, 512)]:
+    pre-train on the replay env (first on one batch size), then fine-tune on the real loop; the observation
+    normalisation carries over, learned through the replay phases and frozen for the real one. Checkpoints go to
     out_dir/checkpoints; with `resume` the newest one is loaded and training continues in its phase.
     Returns (model, venv of the last phase).
     """
@@ -173,9 +174,11 @@ def train(
                 fresh.obs_rms = venv.obs_rms
                 venv = fresh
                 model.set_env(venv)
-            # the normalisation is learned in the first phase and frozen after it: a fine-tune sees the
-            # inputs its pre-trained weights were trained on (and the pinned features stay pinned)
-            venv.training = phase == 0
+            # the normalisation is learned in the first phase and the replay phases after it, and frozen for
+            # the real-loop fine-tune: it sees the inputs its pre-trained weights were trained on (and the
+            # pinned features stay pinned). A replay warm-up on one batch size has seen no other: the next
+            # replay phase goes on learning it (the batch-size feature, pinned until then, comes alive)
+            venv.training = phase == 0 or name.startswith("replay")
             callbacks = [CheckpointCallback(save_freq=int(every), save_path=str(ckpt_dir), name_prefix="ppo",
                                             save_vecnormalize=True), SpecMetricsCallback()]
             if run is not None:

@@ -81,7 +81,29 @@ class ConfidenceStop(LengthPolicy):
         return self.k_max
 
 
-POLICY_HELP = "none | static:K | heuristic | confidence:T | learned | learned:PATH (benchmark also: oracle, batch-table)"
+class MatchLengthK(LengthPolicy):
+    """Prompt lookup's own confidence: draft k tokens when the current n-gram match is at least `min_match`
+    tokens long, else decode plainly (a longer matched n-gram makes its continuation likelier to be right).
+
+    Reads the observation's `ngram_match_len` (a batch: the mean over its active rows). For a prompt-lookup
+    draft only: other drafts report no match, so this policy never speculates with them."""
+
+    def __init__(self, min_match: float, k: int):
+        from .observation import FEATURES
+
+        if min_match <= 0 or k < 1:
+            raise SpecPilotError(f"match:N:K needs N > 0 and K >= 1, got N={min_match:g}, K={k}")
+        self.min_match, self.k = float(min_match), k
+        self.k_max = k
+        self.name = f"match:{min_match:g}:{k}"
+        self._index = FEATURES.index("ngram_match_len")
+
+    def choose_k(self, obs) -> int:
+        return self.k if obs[self._index] >= self.min_match else 0
+
+
+POLICY_HELP = ("none | static:K | heuristic | confidence:T | match:N[:K] | learned | learned:PATH "
+               "(benchmark also: oracle, batch-table)")
 
 
 def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> LengthPolicy:
@@ -99,6 +121,12 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
             return HeuristicK(k_max)
         if name == "confidence":
             return ConfidenceStop(float(arg), k_max)
+        if name == "match":
+            n, _, k = arg.partition(":")
+            k = int(k) if k else k_max
+            if k > k_max:
+                raise SpecPilotError(f"k={k} is outside [1, k_max={k_max}] (raise --k-max to allow it)")
+            return MatchLengthK(float(n), k)
         if name == "learned":
             from .learned import LearnedK
 

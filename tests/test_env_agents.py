@@ -254,12 +254,16 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     profile = json.loads(written[0].read_text())
     assert len(profile["verify_s"]) == 2 and len(profile["verify_s"][0]) == 5 and profile["hardware"]
     args = train_args(tiny_model_dirs, tmp_path / "policies", 32, "--no-track", "--prompts", str(prompts),
-                      "--hp", "replay_timesteps=256", "--hp", "replay_checkpoint_every=128")
+                      "--hp", "replay_timesteps=256", "--hp", "replay_checkpoint_every=128", "--batch-sizes", "1,2",
+                      "--hp", "replay_warmup_timesteps=128", "--hp", "replay_warmup_batch_sizes=[1]")
     assert train_main(args) == 0
     meta = json.loads((policy_dir(tmp_path / "policies") / "policy.json").read_text())
-    assert meta["training_steps"] == 256 + 32
+    assert meta["training_steps"] == 128 + 256 + 32  # one-row warm-up, replay over both sizes, real loop
+    assert meta["batch_sizes"] == [1, 2] and meta["hyperparams"]["replay_warmup_batch_sizes"] == [1]
     ckpts = sorted(p.name for p in (policy_dir(tmp_path / "policies") / "run" / "checkpoints").glob("ppo_*_steps.zip"))
-    assert "ppo_128_steps.zip" in ckpts and "ppo_288_steps.zip" in ckpts
+    assert {"ppo_128_steps.zip", "ppo_256_steps.zip", "ppo_384_steps.zip", "ppo_416_steps.zip"} <= set(ckpts)
+    # the batch-size feature was held still through the one-row warm-up and learned in the phase after it
+    assert "batch_size_log" not in meta["normalization"]["pinned"]
 
 
 def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, capsys):

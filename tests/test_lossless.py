@@ -10,7 +10,7 @@ from decoding.loop import generate
 from decoding.policies import parse_policy
 
 PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42]]
-POLICIES = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5"]
+POLICIES = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5", "match:2"]
 
 
 def drafters(target_model, draft_model):
@@ -112,3 +112,24 @@ def test_self_bf16_draft_lossless(tiny_pair):
     result = generate(target, draft, parse_policy("static:4"), PROMPTS[0], 30)
     assert result.token_ids == plain_greedy(target_model, PROMPTS[0], 30)
     assert result.stats.accept_rate > 0.5
+
+
+def test_match_length_policy_speculates_only_on_long_ngram_matches(tiny_pair):
+    """match:N:K drafts K tokens exactly when the observed n-gram match is >= N tokens, else none."""
+    from decoding.errors import SpecPilotError
+    from decoding.observation import FEATURES
+
+    target_model, _ = tiny_pair
+    policy = parse_policy("match:2:4")
+    assert policy.k_max == 4 and parse_policy("match:1.5").k == 8
+    choose, seen = policy.choose_k, []
+    policy.choose_k = lambda obs: seen.append((float(obs[FEATURES.index("ngram_match_len")]), choose(obs))) or seen[-1][1]
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 5, 9, 13, 2, 7]
+    result = generate(tiny_target(target_model), NgramDrafter(3), policy, prompt, 40)
+    assert result.token_ids == plain_greedy(target_model, prompt, 40)
+    assert all(k == (4 if match >= 2 else 0) for match, k in seen)
+    assert {k for _, k in seen} == {0, 4}  # both branches ran
+    assert [s.k_requested for s in result.steps] == [k for _, k in seen]
+    for bad in ("match:0", "match:2:0", "match:2:9", "match:x"):
+        with pytest.raises(SpecPilotError):
+            parse_policy(bad)
