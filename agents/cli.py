@@ -155,17 +155,18 @@ def train_main(argv: list[str] | None = None) -> int:
     phases = []
     mode = _env_mode(cfg, device_key, draft.name)
     if mode in ("replay", "both"):
-        replay_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
-                                   int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), batch_sizes,
-                                   float(hp["replay_speed_jitter"]))
+        def replay_env_fn(sizes: list[int]):
+            return _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
+                                  int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), sizes,
+                                  float(hp["replay_speed_jitter"]))
+
+        replay_fn = replay_env_fn(batch_sizes)
+        every = int(hp["replay_checkpoint_every"])
         warmup = int(hp.get("replay_warmup_timesteps") or 0)
-        if warmup > 0:
+        if warmup > 0:  # first at these batch sizes only (CPU: one row), then at all of them
             warmup_sizes = [int(b) for b in hp.get("replay_warmup_batch_sizes") or [1]]
-            warmup_fn = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
-                                       int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), warmup_sizes,
-                                       float(hp["replay_speed_jitter"]))
-            phases.append(("replay-warmup", warmup_fn, warmup, int(hp["replay_checkpoint_every"])))
-        phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), int(hp["replay_checkpoint_every"])))
+            phases.append(("replay-warmup", replay_env_fn(warmup_sizes), warmup, every))
+        phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), every))
         from env.replay_env import replay_steps_per_second
 
         print(f"specpilot: replay env runs {replay_steps_per_second(replay_fn()):,.0f} env steps/s "
