@@ -86,7 +86,7 @@ class MatchLengthK(LengthPolicy):
     tokens long, else decode plainly (a longer matched n-gram makes its continuation likelier to be right).
 
     Reads the observation's `ngram_match_len` (a batch: the mean over its active rows). For a prompt-lookup
-    draft only: other drafts report no match, so this policy never speculates with them."""
+    draft only: other drafts report no match (`parse_policy` refuses them when told the draft)."""
 
     def __init__(self, min_match: float, k: int):
         from .observation import FEATURES
@@ -126,6 +126,10 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
             k = int(k) if k else k_max
             if k > k_max:
                 raise SpecPilotError(f"k={k} is outside [1, k_max={k_max}] (raise --k-max to allow it)")
+            draft = learned_kwargs.get("draft")
+            if draft and not str(draft).startswith("ngram"):
+                raise SpecPilotError(f"policy '{text}' reads prompt lookup's n-gram match; draft '{draft}' has none "
+                                     "(use --draft ngram)")
             return MatchLengthK(float(n), k)
         if name == "learned":
             from .learned import LearnedK

@@ -133,3 +133,6 @@ def test_match_length_policy_speculates_only_on_long_ngram_matches(tiny_pair):
     for bad in ("match:0", "match:2:0", "match:2:9", "match:x"):
         with pytest.raises(SpecPilotError):
             parse_policy(bad)
+    assert parse_policy("match:2", draft="ngram:3").k == 8
+    with pytest.raises(SpecPilotError, match="n-gram match"):  # a model draft has no match to read
+        parse_policy("match:2", draft="default")
