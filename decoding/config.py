@@ -5,8 +5,12 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import sys
 import textwrap
 import typing
+from typing import Callable
+
+from .errors import SpecPilotError
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -50,3 +54,26 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
 def parse_config(cls, argv=None, description: str | None = None):
     namespace = build_parser(cls, description).parse_args(argv)
     return cls(**vars(namespace))
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; anything else (empty, non-integers, values < 1) is a one-line error naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPilotError(f"{flag} must be comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise SpecPilotError(f"{flag} must list integers >= 1, got '{text}'")
+    return values
+
+
+def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run a CLI main: a SpecPilotError becomes a one-line message and exit code 2, no traceback."""
+    try:
+        return main(argv)
+    except SpecPilotError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

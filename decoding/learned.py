@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SpecPilotError
+from .hardware import resolve_device
 from .observation import FEATURES
+from .paths import POLICIES, slug
 from .policies import LengthPolicy
 
 FORMAT_VERSION = 1
@@ -32,16 +34,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def default_policy_path(device_key: str, draft: str | None = None) -> Path:
     """policies/<device>/<draft>/policy.json (one policy per device and drafter) in the working
     directory, else in the repository."""
-    import re
-
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", draft).strip("-").lower() if draft else "*"
+    name = slug(draft) if draft else "*"
     for root in (Path.cwd(), REPO_ROOT):
-        found = sorted((root / "policies" / device_key).glob(f"{slug}/policy.json"))
+        found = sorted((root / POLICIES / device_key).glob(f"{name}/policy.json"))
         if found:
             return found[0]
     raise SpecPilotError(
         f"no learned policy for device '{device_key}'" + (f" and draft '{draft}'" if draft else "")
-        + f" (looked for policies/{device_key}/{slug}/policy.json); train one with: "
+        + f" (looked for policies/{device_key}/{name}/policy.json); train one with: "
         f"python scripts/train_policy.py --device {device_key}" + (f" --draft {draft}" if draft else "")
     )
 
@@ -74,8 +74,6 @@ class LearnedK(LengthPolicy):
 
         `draft`: the drafter it will run with; a policy trained with another drafter is refused (its
         acceptance features mean something else)."""
-        from .hardware import resolve_device
-
         here = device or resolve_device("auto")[0]
         path = Path(path) if path else default_policy_path(here, draft)
         if path.is_dir():

@@ -17,12 +17,12 @@ import torch
 
 from .drafters import Draft, Drafter, cache_kwarg, crop_cache
 from .errors import SpecPilotError
+from .observation import ObservationBuilder
 from .sampling import Sampling, probs_from_logits
 from .verify import verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
     from .models import Target
-    from .observation import ObservationBuilder
     from .policies import LengthPolicy
 
 
@@ -451,8 +451,6 @@ def generate(
 ) -> Generation:
     """Decode one prompt (a list of ids) or a batch (a list of prompts): per step observe, choose k,
     run one speculative step, update."""
-    from .observation import ObservationBuilder
-
     if policy.k_max > 0 and draft is None:
         raise SpecPilotError(f"policy '{policy.name}' drafts tokens but no draft was given")
     observer = observer or ObservationBuilder(k_max=policy.k_max)

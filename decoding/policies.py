@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import SpecPilotError
+from .observation import FEATURES
 
 DEFAULT_K_MAX = 8
 
@@ -89,8 +90,6 @@ class MatchLengthK(LengthPolicy):
     draft only: other drafts report no match (`parse_policy` refuses them when told the draft)."""
 
     def __init__(self, min_match: float, k: int):
-        from .observation import FEATURES
-
         if min_match <= 0 or k < 1:
             raise SpecPilotError(f"match:N:K needs N > 0 and K >= 1, got N={min_match:g}, K={k}")
         self.min_match, self.k = float(min_match), k
@@ -132,7 +131,9 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
                                      "(use --draft ngram)")
             return MatchLengthK(float(n), k)
         if name == "learned":
-            from .learned import LearnedK
+            from .learned import (
+                LearnedK,  # learned.py builds on this module (LengthPolicy)
+            )
 
             return LearnedK.load(arg or None, **learned_kwargs)
     except ValueError:

@@ -55,3 +55,10 @@ def per_category(prompts: list[Prompt], n: int) -> list[Prompt]:
         if taken[prompt.category] <= n:
             kept.append(prompt)
     return kept
+
+
+def batches_of(n_prompts: int, batch_size: int) -> list[list[int]]:
+    """Prompt indices in consecutive groups of batch_size (the first batch_size, cycled, if too few)."""
+    if n_prompts >= batch_size:
+        return [list(range(i, i + batch_size)) for i in range(0, n_prompts - batch_size + 1, batch_size)]
+    return [[i % n_prompts for i in range(batch_size)]]

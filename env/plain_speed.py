@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .profile import profile_costs
 
 
 @dataclass
@@ -33,9 +34,6 @@ class PlainSpeed:
         scale = np.interp(np.log(batch), np.log(sizes), [self.batch_scale[b] for b in sizes])
         return seconds * float(scale)
 
-    def tokens_per_s(self, context_len: int, batch: int = 1) -> float:
-        return batch / self.step_seconds(context_len, batch)
-
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"context_lens": self.context_lens, "seconds": self.seconds, "meta": self.meta,
                                           "batch_scale": {str(b): v for b, v in self.batch_scale.items()}}))
@@ -51,8 +49,6 @@ def measure_plain_speed(target, prompt_ids: list[int], context_lens=(32, 256, 10
                         batch_sizes=(1,)) -> PlainSpeed:
     """Median seconds of a plain (k = 0) step at each context length: the device profiler's k = 0 column
     (and, for batch sizes > 1, its batch columns)."""
-    from decoding.profile import profile_costs
-
     sizes = sorted(set(batch_sizes) | {1})
     profile = profile_costs(target, None, prompt_ids, k_max=0, context_lens=context_lens, repeats=repeats,
                             batch_sizes=sizes if len(sizes) > 1 else ())

@@ -1,6 +1,6 @@
 """ReplayEnv: the real env's spaces, driven by recorded acceptance traces and a device cost profile.
 
-Greedy decoding makes acceptance independent of the schedule (see decoding/oracle.py), so a step
+Greedy decoding makes acceptance independent of the schedule (see env/oracle.py), so a step
 from position i with action k drafts k' = min(k, a(i)) tokens and accepts min(k', m(i)); its time is
 the device's profiled step cost t(k', context) times log-normal noise of the measured size. The one
 observation builder sees the same kind of StepResult as in the real loop, so a policy pre-trained
@@ -20,11 +20,13 @@ import gymnasium as gym
 import numpy as np
 
 from decoding.errors import SpecPilotError
+from decoding.hardware import HW_FEATURES
 from decoding.loop import BatchView, RowView, StepResult
 from decoding.observation import ObservationBuilder
-from decoding.oracle import CostModel, Trace
+from decoding.prompts import batches_of
 
 from .episode import EpisodeStats, PlainCredit, step_reward
+from .oracle import CostModel, Trace
 
 
 class FixedMonitor:
@@ -98,8 +100,6 @@ class ReplayEnv(gym.Env):
         if speed_jitter < 1.0:
             raise SpecPilotError(f"speed_jitter is a factor >= 1 (1 = off), got {speed_jitter}")
         self.speed_jitter, self.speed = float(speed_jitter), 1.0
-        from decoding.hardware import HW_FEATURES
-
         monitor = FixedMonitor(hardware if hardware is not None else np.zeros(len(HW_FEATURES), dtype=np.float32))
         self.observer = ObservationBuilder(k_max, monitor=monitor)
         self.credit = PlainCredit(lambda context, batch: self.speed * float(cost.step_costs(context, batch)[0][0]))
@@ -222,7 +222,6 @@ def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max:
     noise. With batch_size B the traces are replayed B at a time (consecutive groups) as batches.
     `max_new_tokens`: the generation budget the rows see (as in the real loop; default: each trace's length).
     """
-    from decoding.benchmark import batches_of
 
     env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size],
                     max_new_tokens=max_new_tokens)

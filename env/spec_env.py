@@ -17,6 +17,7 @@ import numpy as np
 
 from decoding.errors import SpecPilotError
 from decoding.loop import speculative_step, start
+from decoding.models import load_draft, load_target
 from decoding.observation import ObservationBuilder
 from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import Prompt, load_prompts
@@ -46,8 +47,6 @@ class SpecDecodeEnv(gym.Env):
     ):
         super().__init__()
         if target is None:  # gym.make with no arguments: the embedded pair
-            from decoding.models import load_draft, load_target
-
             target = load_target("embedded")
             draft = load_draft("ngram", target)
         if draft is None:

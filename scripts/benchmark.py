@@ -2,7 +2,8 @@
 """Benchmark length policies side by side; see `python scripts/benchmark.py --help`."""
 import sys
 
-from decoding.cli import benchmark_main, run_cli
+from bench.benchmark_cli import benchmark_main
+from decoding.config import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(benchmark_main))

@@ -2,7 +2,8 @@
 """Distil the default draft head for a target; see `python scripts/distill_draft.py --help`."""
 import sys
 
-from decoding.cli import distill_main, run_cli
+from decoding.config import run_cli
+from distill.distill_cli import main
 
 if __name__ == "__main__":
-    sys.exit(run_cli(distill_main))
+    sys.exit(run_cli(main))

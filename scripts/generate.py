@@ -2,7 +2,8 @@
 """Generate text with speculative decoding; see `python scripts/generate.py --help`."""
 import sys
 
-from decoding.cli import generate_main, run_cli
+from decoding.config import run_cli
+from decoding.generate_cli import generate_main
 
 if __name__ == "__main__":
     sys.exit(run_cli(generate_main))

@@ -2,8 +2,8 @@
 """Train, export and evaluate a draft-length policy for this device; see --help."""
 import sys
 
-from agents.cli import train_main
-from decoding.cli import run_cli
+from agents.train_cli import train_main
+from decoding.config import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(train_main))

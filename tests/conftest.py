@@ -11,7 +11,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # tiny models: threads only add contention (and CI has 2 cores)
 
-from decoding.loop import start  # noqa: E402
 from decoding.models import Target  # noqa: E402
 
 TINY_VOCAB = 64
@@ -93,14 +92,6 @@ def embedded_target():
     from decoding.models import load_target
 
     return load_target("embedded", dtype="float32", device="cpu")
-
-
-@pytest.fixture
-def fresh_state():
-    def make(target, draft, prompt, max_new, **kw):
-        return start(target, draft, prompt, max_new, **kw)
-
-    return make
 
 
 def byte_tokenizer(shift: int = 0):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import RandomK, perturbed_copy, plain_greedy, tiny_llama, tiny_target
+
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.errors import SpecPilotError
 from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature

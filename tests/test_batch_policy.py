@@ -8,15 +8,16 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from decoding.batch_table import BatchTableK, policy_to_table, vllm_ranges
-from decoding.cli import export_vllm_main, run_cli
+from bench.batch_table import BatchTableK, policy_to_table, vllm_ranges
+from bench.export_cli import export_vllm_main
+from decoding.config import run_cli
 from decoding.errors import SpecPilotError
 from decoding.models import load_draft, load_target
 from decoding.observation import FEATURES
-from decoding.oracle import CostModel, Trace
 from decoding.policies import StaticK
 from decoding.prompts import load_prompts
 from env import ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
+from env.oracle import CostModel, Trace
 
 K_MAX = 4
 
@@ -257,7 +258,7 @@ def test_paired_speedup_per_repeat_and_its_interval():
     """The machine is twice as slow in the second repeat; within each repeat the policy takes 0.8x plain's
     time, so its paired speedup is 1.25 in both and the interval collapses on it. A repeat where only
     plain decoding ran slow shows as that repeat's ratio and widens the interval."""
-    from decoding.benchmark import BatchRun, summarize_batches
+    from bench.benchmark import BatchRun, summarize_batches
 
     def run(policy, repeat, seconds):
         return BatchRun(policy, 2, 0, ["a", "b"], repeat, 20, seconds, 10, 0, 0, 0.0, [0] * 10, [[1], [2]])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from decoding.cli import generate_main, run_cli
+from decoding.config import run_cli
+from decoding.generate_cli import generate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

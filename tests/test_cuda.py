@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import perturbed_copy, plain_greedy, tiny_llama, tiny_target
+
 from decoding.drafters import ModelDrafter
 from decoding.loop import generate
 from decoding.policies import parse_policy

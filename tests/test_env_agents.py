@@ -89,7 +89,7 @@ def train_args(dirs, out, timesteps, *extra):
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dirs, tmp_path_factory):
-    from agents.cli import train_main
+    from agents.train_cli import train_main
 
     out = tmp_path_factory.mktemp("policies")
     assert train_main(train_args(tiny_model_dirs, out, 96, "--no-track")) == 0
@@ -108,8 +108,9 @@ def test_ppo_run_exports_a_policy_that_decodes_losslessly(trained, tiny_env_part
 
 
 def test_export_round_trip_matches_sb3(trained):
-    from stable_baselines3 import PPO
     import pickle
+
+    from stable_baselines3 import PPO
 
     run = policy_dir(trained) / "run"
     model = PPO.load(str(run / "final_model.zip"), device="cpu")
@@ -154,8 +155,8 @@ def test_pinned_normalization_matches_vecnormalize_elsewhere():
 
 
 def test_resume_continues_step_count(tiny_model_dirs, tmp_path):
-    from agents.cli import train_main
     from agents.ppo import latest_checkpoint
+    from agents.train_cli import train_main
 
     assert train_main(train_args(tiny_model_dirs, tmp_path, 64, "--no-track")) == 0
     ckpt = policy_dir(tmp_path) / "run" / "checkpoints"
@@ -167,14 +168,14 @@ def test_resume_continues_step_count(tiny_model_dirs, tmp_path):
 
 
 def test_resume_without_checkpoint_is_an_error(tiny_model_dirs, tmp_path):
-    from agents.cli import train_main
+    from agents.train_cli import train_main
 
     with pytest.raises(SpecPilotError, match="no checkpoint"):
         train_main(train_args(tiny_model_dirs, tmp_path, 64, "--no-track", "--resume"))
 
 
 def test_offline_wandb_run_folder(tiny_model_dirs, tmp_path, monkeypatch):
-    from agents.cli import train_main
+    from agents.train_cli import train_main
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -185,8 +186,8 @@ def test_offline_wandb_run_folder(tiny_model_dirs, tmp_path, monkeypatch):
 
 
 def test_named_device_not_present(tiny_model_dirs, tmp_path, capsys):
-    from agents.cli import train_main
-    from decoding.cli import run_cli
+    from agents.train_cli import train_main
+    from decoding.config import run_cli
 
     assert run_cli(train_main, ["--device", "a100", "--no-track"]) == 2
     err = capsys.readouterr().err
@@ -238,8 +239,8 @@ def test_missing_policy_file(tmp_path):
 
 def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     """--env both: pre-train on the replay env (profile + traces), fine-tune on the real loop."""
-    from agents.cli import train_main
-    from decoding.cli import profile_main
+    from agents.train_cli import train_main
+    from bench.profile_cli import profile_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": s,
@@ -268,7 +269,8 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
 
 def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, capsys):
     """Every kind of policy, the oracle included, on tiny models: table, JSON, plot, report."""
-    from decoding.cli import benchmark_main, profile_main
+    from bench.benchmark_cli import benchmark_main
+    from bench.profile_cli import profile_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": "test",

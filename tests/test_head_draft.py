@@ -5,15 +5,22 @@ import json
 
 import pytest
 import torch
-
 from conftest import RandomK, plain_greedy, tiny_llama, tiny_target
-from decoding import distill as distill_mod
-from decoding.distill import DistillConfig, distill
+
 from decoding.errors import SpecPilotError
-from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, load_head, save_head, target_signature
+from decoding.head_draft import (
+    DraftHead,
+    HeadConfig,
+    HeadDrafter,
+    load_head,
+    save_head,
+    target_signature,
+)
 from decoding.loop import generate
 from decoding.models import load_draft, load_target
 from decoding.policies import parse_policy
+from distill import distill_cli as distill_mod
+from distill.distill_cli import DistillConfig, distill
 
 
 def random_head(model, vocab_ids, seed=0) -> DraftHead:

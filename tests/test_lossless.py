@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import RandomK, plain_greedy, tiny_target
+
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.loop import generate
 from decoding.policies import parse_policy

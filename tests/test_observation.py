@@ -5,14 +5,14 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import tiny_target
+
 from decoding.drafters import ModelDrafter
+from decoding.errors import SpecPilotError
 from decoding.hardware import HW_FEATURES, HardwareMonitor, device_key, resolve_device
 from decoding.loop import generate, speculative_step, start
 from decoding.observation import FEATURES, HISTORY, ObservationBuilder, repetition_rate
 from decoding.policies import parse_policy
-from decoding.errors import SpecPilotError
 
 
 def test_monitor_samples_in_background_and_never_nan():

@@ -6,13 +6,13 @@ import random
 import gymnasium as gym
 import numpy as np
 import pytest
-
 from conftest import tiny_target
+
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.loop import generate
-from decoding.oracle import CostModel, OracleK, Trace, oracle_schedule, record_trace
 from decoding.policies import NoSpeculation, StaticK
 from env import REPLAY_ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
+from env.oracle import CostModel, OracleK, Trace, oracle_schedule, record_trace
 
 
 def hand_cost(k_max=4):
@@ -191,10 +191,10 @@ def test_replay_evaluate_reproduces_the_oracle(recorded):
 def test_replay_check_sees_what_the_real_loop_sees(recorded):
     """Policies that ignore timing and hardware choose the same k on the real loop and on its replay;
     a policy reading a feature the replay fakes is caught, and the feature is named."""
+    from bench.replay_check import replay_check
     from decoding.hardware import HW_FEATURES
     from decoding.observation import FEATURES
     from decoding.policies import HeuristicK, LengthPolicy
-    from env.replay_check import replay_check
 
     target, draft, trace = recorded
     for policy in (StaticK(3), HeuristicK(4)):

@@ -7,7 +7,7 @@ from conftest import tiny_llama
 
 
 def test_profile_random_init_shapes(tmp_path, capsys):
-    from decoding.cli import profile_main
+    from bench.profile_cli import profile_main
 
     shape = tmp_path / "shape"
     tiny_llama(vocab=300, window=4096, dtype=__import__("torch").float32).config.save_pretrained(shape)

@@ -1,11 +1,10 @@
 """Rejection sampling must leave the target's distribution unchanged; a broken verifier must not."""
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama, tiny_target
+
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.loop import generate
 from decoding.policies import StaticK

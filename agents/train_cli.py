@@ -8,8 +8,21 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.config import parse_config
+from bench.benchmark import format_table, run_benchmark, summarize
+from decoding.config import parse_config, parse_ints
 from decoding.errors import SpecPilotError
+from decoding.hardware import resolve_device, shared_monitor, torch_device_of
+from decoding.learned import LearnedK
+from decoding.models import load_draft, load_target
+from decoding.paths import policy_dir, profile_path, traces_path
+from decoding.policies import HeuristicK, NoSpeculation, StaticK
+from decoding.prompts import load_prompts, per_category
+from env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
+from env.oracle import CostModel, load_draft_traces, load_profile
+from env.replay_env import replay_steps_per_second
+
+from .export import export_policy
+from .ppo import load_hyperparams, train
 
 
 @dataclass
@@ -58,12 +71,8 @@ class TrainConfig:
 
 
 def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
-    from decoding.cli import _slug
-
-    from decoding.cli import default_profile_path
-
-    return (Path(cfg.profile) if cfg.profile else default_profile_path(device_key, draft_name),
-            Path(cfg.traces or f"profiles/traces-{_slug(draft_name)}.json"))
+    return (Path(cfg.profile) if cfg.profile else profile_path(device_key, draft_name),
+            Path(cfg.traces) if cfg.traces else traces_path(draft_name))
 
 
 def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
@@ -78,27 +87,16 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
 def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
                    max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
                    speed_jitter: float = 1.0):
-    from decoding.oracle import CostModel, load_traces
-    from env import ReplayEnv
-
-    profile_path, traces_path = _default_paths(cfg, device_key, draft_name)
-    if not profile_path.exists():
-        raise SpecPilotError(f"no cost profile {profile_path}; run: python scripts/profile_device.py --device {device_key}")
-    profile = json.loads(profile_path.read_text())
-    if profile.get("device") != device_key:
-        raise SpecPilotError(f"cost profile {profile_path} is for device '{profile.get('device')}', not '{device_key}'")
-    traces, meta = load_traces(traces_path)
-    if meta.get("draft") != draft_name:
-        raise SpecPilotError(f"traces {traces_path} were recorded with draft '{meta.get('draft')}', not '{draft_name}'")
+    profile_file, traces_file = _default_paths(cfg, device_key, draft_name)
+    profile = load_profile(profile_file, device_key)
+    traces, _ = load_draft_traces(traces_file, draft_name)
     traces = [t for t in traces if t.question_id in train_ids]  # never pre-train on the test split
     if not traces:
-        raise SpecPilotError(f"traces {traces_path} hold none of the training prompts")
+        raise SpecPilotError(f"traces {traces_file} hold none of the training prompts")
     cost = CostModel.from_profile(profile)
     # hardware counters as seen while decoding on this device (recorded with the profile, else live now)
     hardware = profile.get("hardware")
     if hardware is None:
-        from decoding.hardware import shared_monitor
-
         hardware = shared_monitor(torch_device).read().tolist()
     return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)),
                              hardware=np.asarray(hardware, dtype=np.float32), max_new_tokens=max_new_tokens,
@@ -106,17 +104,6 @@ def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: in
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    from decoding.benchmark import format_table, run_benchmark, summarize
-    from decoding.hardware import resolve_device, torch_device_of
-    from decoding.learned import LearnedK
-    from decoding.models import load_draft, load_target
-    from decoding.policies import HeuristicK, NoSpeculation, StaticK
-    from decoding.prompts import load_prompts, per_category
-    from env import PlainSpeed, SpecDecodeEnv, measure_plain_speed
-
-    from .export import export_policy
-    from .ppo import load_hyperparams, train
-
     cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
     device_key, hardware_name = resolve_device(cfg.device)
     hp = load_hyperparams(device_key, cfg.hp)
@@ -124,9 +111,7 @@ def train_main(argv: list[str] | None = None) -> int:
         hp["timesteps"] = cfg.timesteps
     k_max = int(hp["k_max"])
     if cfg.batch_sizes:
-        from decoding.cli import _parse_ints
-
-        hp["batch_sizes"] = _parse_ints(cfg.batch_sizes, "--batch-sizes")
+        hp["batch_sizes"] = parse_ints(cfg.batch_sizes, "--batch-sizes")
     batch_sizes = [int(b) for b in hp.get("batch_sizes") or [1]]
     real_batch_sizes = [int(b) for b in hp.get("real_batch_sizes") or batch_sizes]
     train_prompts = load_prompts(cfg.prompts, "train")
@@ -135,9 +120,7 @@ def train_main(argv: list[str] | None = None) -> int:
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
-    from decoding.cli import _slug
-
-    out = Path(cfg.out) / device_key / _slug(draft.name)
+    out = policy_dir(device_key, draft.name, cfg.out)
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     speed_path = run_dir / "plain_speed.json"
@@ -167,8 +150,6 @@ def train_main(argv: list[str] | None = None) -> int:
             warmup_sizes = [int(b) for b in hp.get("replay_warmup_batch_sizes") or [1]]
             phases.append(("replay-warmup", replay_env_fn(warmup_sizes), warmup, every))
         phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), every))
-        from env.replay_env import replay_steps_per_second
-
         print(f"specpilot: replay env runs {replay_steps_per_second(replay_fn()):,.0f} env steps/s "
               "(random actions, this process)", file=sys.stderr)
     if mode in ("real", "both"):

@@ -13,9 +13,10 @@ import time
 import numpy as np
 import torch
 
-from .drafters import Draft
-from .loop import speculative_step, start, synchronize
-from .sampling import Sampling
+from decoding.drafters import Draft
+from decoding.hardware import shared_monitor
+from decoding.loop import speculative_step, start, synchronize
+from decoding.sampling import Sampling
 
 
 class RandomDrafter:
@@ -60,8 +61,6 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
     target = dataclasses.replace(target, eos_ids=frozenset())  # an EOS must not end a timing sequence
     window = target.context_window or 10**9
     lens = [c for c in context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
-    from .hardware import shared_monitor
-
     monitor = shared_monitor(str(target.device))
     verify, draft_cost, spreads, hardware = [], [], [], []
     randomizer = RandomDrafter(target.vocab_size)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from decoding.loop import generate
 from decoding.observation import FEATURES
 from decoding.policies import LengthPolicy
+from decoding.prompts import batches_of
+from env.replay_env import ReplayEnv, replay_episode
 
 
 class Recorder(LengthPolicy):
@@ -41,11 +44,6 @@ def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]
     often each k was chosen; "k_distance": total variation distance between the two (0 = the same
     choices as often, 1 = disjoint); "features": per feature (real mean, replay mean, shift in
     standard deviations: the policy's training ones for a learned policy, else the pooled ones)."""
-    from decoding.benchmark import batches_of
-    from decoding.loop import generate
-
-    from .replay_env import ReplayEnv, replay_episode
-
     groups = batches_of(len(prompt_ids), batch_size)
     real = Recorder(policy)
     generate(target, draft, real, [prompt_ids[i] for i in groups[0]], 4)  # warm-up, not recorded

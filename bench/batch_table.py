@@ -13,10 +13,11 @@ import math
 
 import numpy as np
 
-from .errors import SpecPilotError
-from .observation import FEATURES
-from .oracle import CostModel, Trace
-from .policies import LengthPolicy
+from decoding.errors import SpecPilotError
+from decoding.observation import FEATURES
+from decoding.policies import LengthPolicy
+from env.oracle import CostModel, Trace
+from env.replay_env import ReplayEnv
 
 BATCH_FEATURE = FEATURES.index("batch_size_log")
 
@@ -88,7 +89,6 @@ def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, 
     (a learned policy's training budget: its remaining-token features mean that). Returns ({b: k}, {b: {k: steps}})."""
     from collections import Counter
 
-    from env.replay_env import ReplayEnv
 
     env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=list(range(1, max_batch + 1)),
                     max_new_tokens=max_new_tokens)

@@ -15,18 +15,23 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import SpecPilotError
-from .loop import generate
-from .policies import LengthPolicy
-from .prompts import Prompt
-from .sampling import Sampling
+from tqdm import tqdm
+
+from decoding.errors import SpecPilotError
+from decoding.loop import generate
+from decoding.policies import LengthPolicy
+from decoding.prompts import Prompt, batches_of
+from decoding.sampling import Sampling
 
 
 @dataclass
-class Run:
+class BatchRun:
+    """One policy's decoding of one batch of prompts in one repeat (a single prompt is a batch of one)."""
+
     policy: str
-    question_id: str
-    category: str
+    batch_size: int
+    batch_index: int
+    question_ids: list[str]
     repeat: int
     new_tokens: int
     seconds: float
@@ -35,55 +40,68 @@ class Run:
     accepted: int
     policy_s: float
     ks: list[int]
-    token_ids: list[int]
+    token_ids: list[list[int]]
+    category: str = ""
+    """The prompt's category (single-prompt runs)."""
 
 
-def run_benchmark(
+def run_benchmark(target, draft, policies: dict[str, LengthPolicy], prompts: list[Prompt], *args, **kwargs) -> list[BatchRun]:
+    """Run every policy on every prompt, one prompt at a time (`run_batch_benchmark` at B = 1; the same
+    further arguments: max_new_tokens, repeats, sampling, chat, progress)."""
+    return run_batch_benchmark(target, draft, policies, prompts, [1], *args, **kwargs)
+
+
+def run_batch_benchmark(
     target,
     draft,
     policies: dict[str, LengthPolicy],
     prompts: list[Prompt],
+    batch_sizes: list[int],
     max_new_tokens: int = 64,
     repeats: int = 1,
     sampling: Sampling = Sampling(),
     chat: bool = True,
     progress: bool = True,
-    observer_factory=None,
-) -> list[Run]:
-    """Run every policy on every prompt `repeats` times, rotating the policy order per prompt."""
-    from tqdm import tqdm
-
+) -> list[BatchRun]:
+    """Every policy on the same batches of prompts at each batch size (B prompts decoded together),
+    interleaved: the policy order rotates from one batch to the next, so slow drift hits all alike."""
     if "none" not in policies:
         raise SpecPilotError("the benchmark needs the 'none' policy (plain decoding) as its baseline")
     names = list(policies)
     encoded = [target.encode(p.text, chat=chat) for p in prompts]
+    plan = [(b, i, idx) for b in batch_sizes for i, idx in enumerate(batches_of(len(prompts), b))]
     # warm-up: the first forward passes of a process are slow (allocator, kernels)
-    generate(target, draft, policies[names[-1]], encoded[0], 8, sampling)
-    runs: list[Run] = []
-    bar = tqdm(total=repeats * len(prompts) * len(names), desc="benchmark", disable=not progress, file=sys.stderr)
+    generate(target, draft, policies[names[-1]], [encoded[x] for x in plan[-1][2]], 8, sampling)
+    runs: list[BatchRun] = []
+    desc = "benchmark" if batch_sizes == [1] else "batch benchmark"
+    bar = tqdm(total=repeats * len(plan) * len(names), desc=desc, disable=not progress, file=sys.stderr)
     for r in range(repeats):
-        for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
-            shift = (r + i) % len(names)
+        for j, (b, i, idx) in enumerate(plan):
+            shift = (r + j) % len(names)
             for name in names[shift:] + names[:shift]:
-                if hasattr(policies[name], "prepare"):  # the oracle replays this prompt's schedule
-                    policies[name].prepare(prompt.question_id)
-                observer = observer_factory(policies[name]) if observer_factory else None
-                result = generate(target, draft if policies[name].k_max > 0 else None, policies[name], ids,
-                                  max_new_tokens, sampling, seed=r, observer=observer)
+                policy = policies[name]
+                if hasattr(policy, "prepare") and b == 1:  # the oracle replays this prompt's schedule
+                    policy.prepare(prompts[idx[0]].question_id)
+                rows = [encoded[x] for x in idx]
+                result = generate(target, draft if policy.k_max > 0 else None, policy, rows[0] if b == 1 else rows,
+                                  max_new_tokens, sampling, seed=r)
                 s = result.stats
-                runs.append(Run(name, prompt.question_id, prompt.category, r, s.new_tokens, s.seconds, s.steps,
-                                sum(x.k for x in result.steps), sum(x.accepted for x in result.steps),
-                                s.policy_s, [x.k for x in result.steps], result.token_ids))
+                token_ids = [result.token_ids] if b == 1 else result.token_ids
+                runs.append(BatchRun(name, b, i, [prompts[x].question_id for x in idx], r, s.new_tokens, s.seconds,
+                                     s.steps, sum(x.k * x.batch_size for x in result.steps),
+                                     sum(sum(x.accepted_rows) for x in result.steps), s.policy_s,
+                                     [x.k for x in result.steps], token_ids,
+                                     prompts[idx[0]].category if b == 1 else ""))
                 bar.update()
     bar.close()
     return runs
 
 
-def summarize(runs: list[Run], greedy: bool = True) -> dict:
+def summarize(runs: list[BatchRun], greedy: bool = True) -> dict:
     """Per policy and category: tokens/s, speedup over plain, accept rate, mean k, mean accepted."""
-    by_key: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    by_key: dict[tuple[str, str], list[BatchRun]] = defaultdict(list)
     for run in runs:
-        by_key[(run.policy, run.question_id)].append(run)
+        by_key[(run.policy, run.question_ids[0])].append(run)
     policies = list(dict.fromkeys(run.policy for run in runs))
     categories = sorted({run.category for run in runs})
     plain_ids = {q: rs[0].token_ids for (p, q), rs in by_key.items() if p == "none"}
@@ -137,10 +155,11 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results(out_dir: str | Path, runs: list[Run], summary: dict, meta: dict) -> Path:
+def write_results(out_dir: str | Path, runs: list, summary: dict, meta: dict, name: str = "results.json") -> Path:
+    """OUT/NAME: the run's meta, its summary and every run (the raw timings and token ids)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
+    path = out / name
     path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
     return path
 
@@ -167,70 +186,6 @@ def markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> 
         lines.append(f"| {policy} | " + " | ".join(f"{t[policy][c]['speedup']:.3f}x" for c in cats) + " |")
     lines += ["", f"![speedup per category and chosen k]({plot_name})", ""]
     return "\n".join(lines)
-
-
-@dataclass
-class BatchRun:
-    policy: str
-    batch_size: int
-    batch_index: int
-    question_ids: list[str]
-    repeat: int
-    new_tokens: int
-    seconds: float
-    steps: int
-    drafted: int
-    accepted: int
-    policy_s: float
-    ks: list[int]
-    token_ids: list[list[int]]
-
-
-def batches_of(n_prompts: int, batch_size: int) -> list[list[int]]:
-    """Prompt indices in consecutive groups of batch_size (the first batch_size, cycled, if too few)."""
-    if n_prompts >= batch_size:
-        return [list(range(i, i + batch_size)) for i in range(0, n_prompts - batch_size + 1, batch_size)]
-    return [[i % n_prompts for i in range(batch_size)]]
-
-
-def run_batch_benchmark(
-    target,
-    draft,
-    policies: dict[str, LengthPolicy],
-    prompts: list[Prompt],
-    batch_sizes: list[int],
-    max_new_tokens: int = 64,
-    repeats: int = 1,
-    sampling: Sampling = Sampling(),
-    chat: bool = True,
-    progress: bool = True,
-) -> list[BatchRun]:
-    """Every policy on the same batches of prompts at each batch size (B prompts decoded together)."""
-    from tqdm import tqdm
-
-    if "none" not in policies:
-        raise SpecPilotError("the benchmark needs the 'none' policy (plain decoding) as its baseline")
-    names = list(policies)
-    encoded = [target.encode(p.text, chat=chat) for p in prompts]
-    plan = [(b, i, idx) for b in batch_sizes for i, idx in enumerate(batches_of(len(prompts), b))]
-    generate(target, draft, policies[names[-1]], [encoded[0], encoded[-1]], 8, sampling)  # warm-up
-    runs: list[BatchRun] = []
-    bar = tqdm(total=repeats * len(plan) * len(names), desc="batch benchmark", disable=not progress, file=sys.stderr)
-    for r in range(repeats):
-        for j, (b, i, idx) in enumerate(plan):
-            shift = (r + j) % len(names)
-            for name in names[shift:] + names[:shift]:
-                policy = policies[name]
-                result = generate(target, draft if policy.k_max > 0 else None, policy, [encoded[x] for x in idx],
-                                  max_new_tokens, sampling, seed=r)
-                s = result.stats
-                runs.append(BatchRun(name, b, i, [prompts[x].question_id for x in idx], r, s.new_tokens, s.seconds,
-                                     s.steps, sum(x.k * x.batch_size for x in result.steps),
-                                     sum(sum(x.accepted_rows) for x in result.steps), s.policy_s,
-                                     [x.k for x in result.steps], result.token_ids))
-                bar.update()
-    bar.close()
-    return runs
 
 
 def summarize_batches(runs: list[BatchRun], greedy: bool = True) -> dict:
@@ -314,4 +269,30 @@ def format_batch_table(summary: dict) -> str:
         cells = [summary["table"][str(b)][policy] for b in sizes]
         line = f"{policy:<16}" + "".join(f"{c['tokens_per_s']:>9.2f} ({c['speedup']:.3f}x)" for c in cells)
         lines.append(line + f"{str(all(c['lossless'] is not False for c in cells)):>10}")
+    return "\n".join(lines)
+
+
+def batch_markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> str:
+    """The batched benchmark's report page: tokens/s and speedup per batch size, mean k, paired speedups."""
+    sizes = summary["batch_sizes"]
+    lines = [f"# Batched benchmark: {meta.get('hardware')} ({meta.get('device')})", "", f"Regenerate with: `{command}`", "",
+             f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split), "
+             f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; greedy; every policy on the same batches, "
+             "interleaved. Cells: tokens/s of all rows (speedup over plain decoding at that batch size).", "",
+             "| policy | " + " | ".join(f"B={b}" for b in sizes) + " | lossless |", "|---|" + "---|" * (len(sizes) + 1)]
+    for policy in summary["policies"]:
+        cells = [summary["table"][str(b)][policy] for b in sizes]
+        lines.append(f"| {policy} | " + " | ".join(f"{c['tokens_per_s']:.2f} ({c['speedup']:.3f}x)" for c in cells)
+                     + f" | {all(c['lossless'] is not False for c in cells)} |")
+    lines += ["", "Mean k chosen:", "", "| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for policy in summary["policies"]:
+        lines.append(f"| {policy} | " + " | ".join(f"{summary['table'][str(b)][policy]['mean_k']:.2f}" for b in sizes) + " |")
+    if meta.get("repeats", 1) > 1:
+        lines += ["", (f"Speedup over plain within each of the {meta['repeats']} repeats (the policy's and plain "
+                       "decoding's runs of the same batches in the same pass, so slow drift of the machine cancels): "
+                       "geometric mean [approx. 95% interval, exp(mean log +- 2 standard errors)]."), "",
+                  "| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        for policy in summary["policies"]:
+            lines.append(f"| {policy} | " + " | ".join(paired_cell(summary["table"][str(b)][policy]) for b in sizes) + " |")
+    lines += ["", f"![tokens/s and speedup vs batch size]({plot_name})", ""]
     return "\n".join(lines)

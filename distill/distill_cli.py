@@ -23,9 +23,20 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpecPilotError
-from .head_draft import DEFAULT_DRAFT, DraftHead, HeadConfig, save_head, sub_head_weight, target_signature
-from .prompts import Prompt, load_prompts
+from decoding.config import parse_config
+from decoding.errors import SpecPilotError
+from decoding.head_draft import (
+    DEFAULT_DRAFT,
+    DraftHead,
+    HeadConfig,
+    save_head,
+    sub_head_weight,
+    target_signature,
+)
+from decoding.models import cache_dir, load_target
+from decoding.prompts import Prompt, load_prompts
+from decoding.synth_prompts import synthetic_prompts
+from decoding.tracking import start_tracking
 
 IGNORE = -100
 
@@ -96,8 +107,6 @@ def _say(message: str) -> None:
 
 
 def collect_prompts(cfg: DistillConfig) -> list[Prompt]:
-    from .synth_prompts import synthetic_prompts
-
     prompts = load_prompts(cfg.prompts, split="train")
     if cfg.synthetic_prompts > 0:
         prompts += synthetic_prompts(cfg.synthetic_prompts, cfg.seed)
@@ -389,9 +398,6 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
 
 
 def distill(cfg: DistillConfig) -> Path:
-    from .models import cache_dir, load_target
-    from .tracking import start_tracking
-
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "distill" / out.name
     work.mkdir(parents=True, exist_ok=True)
@@ -426,3 +432,9 @@ def distill(cfg: DistillConfig) -> Path:
     _say(f"draft head written to {out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters); "
          f"held-out: {json.dumps({k: round(v, 3) for k, v in result['final'].items()})}")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """scripts/distill_draft.py: parse the flags and run `distill`."""
+    distill(parse_config(DistillConfig, argv))
+    return 0

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import SpecPilotError
-from .policies import LengthPolicy
-from .sampling import Sampling
+from decoding.errors import SpecPilotError
+from decoding.loop import generate
+from decoding.policies import LengthPolicy, NoSpeculation
+from decoding.sampling import Sampling
 
 
 @dataclass
@@ -45,9 +46,6 @@ class Trace:
 def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_max: int,
                  question_id: str = "", category: str = "") -> Trace:
     """Plain greedy decoding of the prompt, then the draft's K-token proposal at every position."""
-    from .loop import generate
-    from .policies import NoSpeculation
-
     output = generate(target, None, NoSpeculation(), prompt_ids, max_new_tokens).token_ids
     full = torch.tensor(list(prompt_ids) + output, dtype=torch.long, device=target.device)
     n_prompt = len(prompt_ids)
@@ -87,6 +85,39 @@ def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
         raise SpecPilotError(f"trace file not found: {path} (record it with scripts/profile_device.py --traces)")
     data = json.loads(path.read_text())
     return [Trace(**t) for t in data["traces"]], data.get("meta", {})
+
+
+def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0) -> tuple[list[Trace], dict]:
+    """The traces at `path`, checked to be this draft's and to hold at least `min_tokens` per prompt."""
+    traces, meta = load_traces(path)
+    if meta.get("draft") != draft_name:
+        raise SpecPilotError(f"traces {path} were recorded with draft '{meta.get('draft')}', not '{draft_name}'")
+    if meta.get("max_new_tokens", 0) < min_tokens:
+        raise SpecPilotError(f"traces {path} hold {meta.get('max_new_tokens')} tokens per prompt, fewer than {min_tokens}")
+    return traces, meta
+
+
+def train_traces(traces: list[Trace], meta: dict) -> list[Trace]:
+    """The traces of train-split prompts (all of them when the file does not record splits)."""
+    splits = meta.get("splits") or {}
+    kept = [t for t in traces if splits.get(t.question_id, "train") == "train"]
+    return kept or traces
+
+
+def load_profile(path: str | Path, device_key: str | None = None) -> dict:
+    """A cost profile (scripts/profile_device.py); with `device_key`, checked to be that device's."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecPilotError(f"no cost profile {path}; run: python scripts/profile_device.py --device {device_key or 'auto'}")
+    profile = json.loads(path.read_text())
+    if device_key is not None and profile.get("device") != device_key:
+        raise SpecPilotError(f"cost profile {path} is for device '{profile.get('device')}', not '{device_key}'")
+    return profile
+
+
+def profile_hardware(profile: dict) -> np.ndarray | None:
+    """The hardware counters recorded with a profile (as the replay env shows them), if any."""
+    return np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
 
 
 class CostModel:

@@ -1,0 +1,272 @@
+"""The benchmark command: `python scripts/benchmark.py --policies ... [--batch-sizes ...] [--replay]`."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from decoding.config import parse_config, parse_ints
+from decoding.errors import SpecPilotError
+from decoding.hardware import device_of
+from decoding.models import load_draft, load_target, resolve_torch_device
+from decoding.paths import profile_path, relative, traces_path
+from decoding.policies import DEFAULT_K_MAX, parse_policy
+from decoding.prompts import load_prompts, per_category
+from decoding.sampling import Sampling
+from env.oracle import (
+    CostModel,
+    OracleK,
+    load_draft_traces,
+    load_profile,
+    profile_hardware,
+    train_traces,
+    truncate,
+)
+from env.replay_env import replay_evaluate
+
+from .batch_table import BatchTableK
+from .benchmark import (
+    batch_markdown_report,
+    format_batch_table,
+    format_paired_table,
+    format_table,
+    markdown_report,
+    run_batch_benchmark,
+    run_benchmark,
+    summarize,
+    summarize_batches,
+    write_results,
+)
+from .plots import plot_batch_benchmark, plot_benchmark
+from .replay_check import format_check, replay_check
+from .report import write_report
+
+
+@dataclass
+class BenchmarkConfig:
+    """Benchmark length policies side by side (interleaved, medians) on a prompt set."""
+
+    policies: str = "none,static:1,static:2,static:4,static:8,heuristic,confidence:0.5"
+    """Comma-separated policies; static:A..B expands to every k in the range."""
+    draft: str = "ngram"
+    """Drafter for every speculative policy (see generate --draft)."""
+    target: str = "embedded"
+    """Target model (see generate --target)."""
+    prompts: str | None = None
+    """Prompt JSONL file (default: the project's set)."""
+    split: str = "test"
+    """Which split of the prompt file: train | test | all."""
+    per_category: int = 0
+    """Use at most this many prompts per category (0 = all)."""
+    repeats: int = 1
+    """Runs of every (policy, prompt) pair; the median time counts."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt."""
+    k_max: int = DEFAULT_K_MAX
+    """Largest draft length a policy may choose."""
+    chat: bool = True
+    """Wrap prompts in the chat template."""
+    temperature: float = 0.0
+    """0 = greedy (also checks losslessness against plain decoding)."""
+    device: str = "auto"
+    """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
+    dtype: str = "auto"
+    """Model dtype: auto | float32 | bfloat16 | float16."""
+    allow_device_mismatch: bool = False
+    """Let a learned policy trained on another device run."""
+    out: str = "runs/benchmark"
+    """Folder for results.json and benchmark.png."""
+    report: str | None = None
+    """Also write a markdown report here (e.g. reports/cpu.md; the plot and JSON are copied beside it)."""
+    profile: str | None = None
+    """Cost profile for the oracle (default: profiles/DEVICE.json)."""
+    traces: str | None = None
+    """Acceptance traces for the oracle (default: profiles/traces-DRAFT.json)."""
+    batch_sizes: str = ""
+    """Comma-separated batch sizes (e.g. 1,2,4,8,16): benchmark batched decoding instead, the prompts
+    taken B at a time and decoded together, every policy on the same batches (policy batch-table: the
+    per-batch-size table built from the cost profile and the train traces)."""
+    replay_check: bool = False
+    """Sim-to-real check: run each policy on the real loop and on the replay of the same batches and
+    print the k it chose in each and the observation features that differ most (needs the traces)."""
+    replay: bool = False
+    """Instead of timing the real loop, evaluate the policies on the recorded traces with the device's
+    cost model, without noise (the replay env PPO pre-trains on): seconds instead of minutes."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def expand_policies(text: str) -> list[str]:
+    names = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, arg = part.partition(":")
+        if ".." in arg:
+            lo, _, hi = arg.partition("..")
+            try:
+                names += [f"{name}:{k}" for k in range(int(lo), int(hi) + 1)]
+            except ValueError:
+                raise SpecPilotError(f"bad policy range '{part}'; expected e.g. static:1..8") from None
+        else:
+            names.append(part)
+    return names
+
+
+def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, dict, dict]:
+    """This draft's acceptance traces, their meta and the device's cost profile (for the oracle, the
+    batch table and --replay)."""
+    if not sampling.greedy:
+        raise SpecPilotError("the oracle and --replay need greedy decoding (--temperature 0)")
+    profile = load_profile(cfg.profile or profile_path(device_key, draft.name))
+    traces, meta = load_draft_traces(cfg.traces or traces_path(draft.name), draft.name, cfg.max_new_tokens)
+    return traces, meta, profile
+
+
+def _oracle(cfg, device_key: str, draft, sampling) -> OracleK:
+    traces, _, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    return OracleK(traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_new_tokens)
+
+
+def _batch_table(cfg, device_key: str, draft, sampling) -> BatchTableK:
+    traces, meta, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    if not profile.get("batch_sizes"):
+        raise SpecPilotError(f"the cost profile of {device_key} has no batch sizes; rerun scripts/profile_device.py")
+    return BatchTableK.from_profile(profile, train_traces(traces, meta), cfg.k_max)
+
+
+def _command(argv: list[str] | None) -> str:
+    """How a report says it was made: the command line, or the call when run from Python."""
+    return "python scripts/benchmark.py " + " ".join(sys.argv[1:]) if argv is None else f"benchmark_main({argv!r})"
+
+
+def _policy_sources(policies: dict) -> dict:
+    """{name: where the policy came from}: a learned policy's path (relative), a table, or its name."""
+    return {n: relative(p.path) if getattr(p, "path", None) else getattr(p, "table", None) or n for n, p in policies.items()}
+
+
+def _save(cfg, argv, runs, summary: dict, meta: dict, prefix: str, plot, markdown) -> Path:
+    """OUT/{prefix}results.json and OUT/{prefix}benchmark.png (drawn by `plot(path)`), and with --report
+    the report page (`markdown(summary, meta, plot name, command)`) with its plot and JSON."""
+    path = write_results(cfg.out, runs, summary, meta, f"{prefix}results.json")
+    png = path.parent / f"{prefix}benchmark.png"
+    plot(png)
+    if cfg.report:
+        write_report(cfg.report, png, meta, summary, lambda plot_name: markdown(summary, meta, plot_name, _command(argv)))
+    return path
+
+
+def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, device_key, hardware_name, argv) -> int:
+    sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
+    runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
+                               cfg.chat, cfg.progress)
+    summary = summarize_batches(runs, greedy=sampling.greedy)
+    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "batch_sizes": sizes, "policies": _policy_sources(policies)}
+    path = _save(cfg, argv, runs, summary, meta, "batch_", lambda png: plot_batch_benchmark(summary, png),
+                 batch_markdown_report)
+    print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) | batch sizes {sizes} | "
+          f"{cfg.max_new_tokens} new tokens per row | {hardware_name}")
+    print(format_batch_table(summary))
+    if cfg.repeats > 1:
+        print("speedup over plain within each repeat (paired): geometric mean [approx. 95% interval]")
+        print(format_paired_table(summary))
+    print(f"results: {path}")
+    return 0
+
+
+def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, prompts) -> int:
+    traces, _, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    wanted = {p.question_id for p in prompts}
+    traces = [truncate(t, cfg.max_new_tokens) for t in traces if t.question_id in wanted]
+    if not traces:
+        raise SpecPilotError("--replay: none of the chosen prompts has a recorded trace")
+    hardware = profile_hardware(profile)
+    cost = CostModel.from_profile(profile)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.batch_sizes:
+        sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
+        by_size = {b: replay_evaluate(policies, traces, cost, cfg.k_max, hardware, b, cfg.max_new_tokens) for b in sizes}
+        print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}) taken B at a time, "
+              f"{cfg.max_new_tokens} tokens, cost profile of {device_key}, draft {draft.name}; speedup over plain at B")
+        names = [n for n in policies if any(n in by_size[b] for b in sizes)]
+        print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>9}" for b in sizes))
+        for name in names:
+            print(f"{name:<16}" + "".join(f"{by_size[b][name]['speedup']:>8.3f}x" if name in by_size[b] else f"{'-':>9}"
+                                          for b in sizes))
+        if "oracle" in policies and max(sizes) > 1:
+            print("oracle: its hindsight schedule is per sequence, so it is shown at B = 1 only")
+        (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size}, indent=1))
+        return 0
+    results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware, max_new_tokens=cfg.max_new_tokens)
+    print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}), {cfg.max_new_tokens} tokens, "
+          f"cost profile of {device_key}, draft {draft.name}")
+    print(f"{'policy':<16}{'speedup':>9}{'acc.rate':>9}" + (f"{'/oracle':>8}" if "oracle" in results else ""))
+    for name, row in results.items():
+        print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
+              + (f"{row['fraction_of_oracle']:>8.3f}" if "oracle" in results else ""))
+    (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results}, indent=1))
+    return 0
+
+
+def _replay_check(cfg, target, device_key: str, draft, sampling, policies: dict, prompts) -> int:
+    traces, _, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    by_id = {t.question_id: truncate(t, cfg.max_new_tokens) for t in traces}
+    missing = [p.question_id for p in prompts if p.question_id not in by_id]
+    if missing:
+        raise SpecPilotError(f"--replay-check: no recorded trace for {', '.join(missing[:3])}; rerun scripts/profile_device.py")
+    hardware = profile_hardware(profile)
+    cost = CostModel.from_profile(profile)
+    encoded = [target.encode(p.text, chat=cfg.chat) for p in prompts]
+    results = []
+    for b in parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [1]:
+        for name, policy in policies.items():
+            if name == "none" or hasattr(policy, "prepare"):
+                continue
+            result = replay_check(target, draft, policy, encoded, [by_id[p.question_id] for p in prompts], cost, b,
+                                  cfg.max_new_tokens, cfg.k_max, hardware)
+            print(format_check(name, result))
+            results.append({"policy": name, **result})
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay_check.json").write_text(json.dumps({"prompts": [p.question_id for p in prompts], "results": results}, indent=1))
+    return 0
+
+
+def benchmark_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(BenchmarkConfig, argv)
+    names = expand_policies(cfg.policies)
+    if "none" not in names:
+        names.insert(0, "none")
+    device_key, hardware_name = device_of(resolve_torch_device(cfg.device))
+    sampling = Sampling(cfg.temperature)
+    prompts = per_category(load_prompts(cfg.prompts, cfg.split), cfg.per_category)
+    target = load_target(cfg.target, cfg.dtype, cfg.device)
+    draft = load_draft(cfg.draft, target, cfg.dtype)
+    policies = {}
+    for n in names:
+        if n == "oracle":
+            policies[n] = _oracle(cfg, device_key, draft, sampling)
+        elif n == "batch-table":
+            policies[n] = _batch_table(cfg, device_key, draft, sampling)
+        else:
+            policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key,
+                                       draft=draft.name)
+    if cfg.replay_check:
+        return _replay_check(cfg, target, device_key, draft, sampling, policies, prompts)
+    if cfg.replay:
+        return _replay_benchmark(cfg, device_key, draft, sampling, policies, prompts)
+    if cfg.batch_sizes:
+        return _batch_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv)
+    runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)
+    summary = summarize(runs, greedy=sampling.greedy)
+    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "policies": _policy_sources(policies)}
+    path = _save(cfg, argv, runs, summary, meta, "", lambda png: plot_benchmark(summary, runs, png), markdown_report)
+    print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) x {cfg.repeats} | "
+          f"{cfg.max_new_tokens} new tokens | {meta['hardware']}")
+    print(format_table(summary))
+    print(f"results: {path}")
+    return 0

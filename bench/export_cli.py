@@ -1,0 +1,89 @@
+"""The export command: `python scripts/export_vllm_table.py` turns a length policy into vLLM's
+num_speculative_tokens_per_batch_size table for a device."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from decoding.config import parse_config
+from decoding.errors import SpecPilotError
+from decoding.hardware import resolve_device
+from decoding.models import draft_name
+from decoding.paths import policy_dir, profile_path, relative, traces_path
+from decoding.policies import DEFAULT_K_MAX, parse_policy
+from env.oracle import (
+    CostModel,
+    load_profile,
+    load_traces,
+    profile_hardware,
+    train_traces,
+)
+
+from .batch_table import BatchTableK, policy_to_table, vllm_ranges
+
+
+@dataclass
+class ExportVllmConfig:
+    """Turn a length policy into vLLM's num_speculative_tokens_per_batch_size table for this device."""
+
+    policy: str = "learned"
+    """The policy to query: learned | learned:PATH | batch-table | static:K | heuristic."""
+    device: str = "auto"
+    """Device whose cost profile and policy are used: auto | cpu | a100 | h100 | ... (a device key)."""
+    draft: str = "default"
+    """The draft the table is for (names the traces file profiles/traces-DRAFT.json)."""
+    profile: str | None = None
+    """Cost profile (default: profiles/DEVICE.json; must include batch sizes)."""
+    traces: str | None = None
+    """Acceptance traces (default: profiles/traces-DRAFT.json); the train split gives the observations."""
+    max_batch: int = 16
+    """Largest batch size in the table (the last range ends here)."""
+    episodes: int = 8
+    """Replayed batches per batch size on which the policy is queried."""
+    k_max: int = DEFAULT_K_MAX
+    """Largest k."""
+    allow_device_mismatch: bool = False
+    """Accept a learned policy trained on another device."""
+    out: str | None = None
+    """JSON file to write (default: policies/DEVICE/DRAFT/vllm_table.json, beside the policy)."""
+
+
+def export_vllm_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(ExportVllmConfig, argv)
+    if cfg.max_batch < 1:
+        raise SpecPilotError(f"--max-batch must be >= 1, got {cfg.max_batch}")
+    # no model runs here: any device's profile can be exported on any machine
+    device = resolve_device("auto")[0] if cfg.device == "auto" else cfg.device.strip().lower()
+    source = Path(cfg.profile) if cfg.profile else profile_path(device, draft_name(cfg.draft))
+    profile = load_profile(source)
+    if not profile.get("batch_sizes"):
+        raise SpecPilotError(f"the cost profile {source} has no batch sizes; rerun scripts/profile_device.py")
+    traces, meta = load_traces(cfg.traces or traces_path(draft_name(cfg.draft)))
+    traces = train_traces(traces, meta)
+    if cfg.policy == "batch-table":
+        policy = BatchTableK.from_profile(profile, traces, cfg.k_max)
+    else:
+        policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device,
+                              draft=draft_name(cfg.draft))
+    hardware = profile_hardware(profile)
+    budget = getattr(policy, "meta", {}).get("max_new_tokens")  # a learned policy: the budget it was trained with
+    chosen, counts = policy_to_table(policy, traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_batch,
+                                     hardware, cfg.episodes, max_new_tokens=budget)
+    ranges = vllm_ranges(chosen, cfg.max_batch)
+    result = {
+        "num_speculative_tokens": max(1, max(k for _, _, k in ranges)),
+        "num_speculative_tokens_per_batch_size": ranges,
+        "device": device, "hardware_name": profile.get("hardware_name"), "policy": relative(policy.path) if getattr(policy, "path", None) else cfg.policy,
+        "draft": meta.get("draft"), "target": meta.get("target"),
+        "k_chosen_per_batch_size": {str(b): counts[b] for b in counts},
+        "note": "inclusive [start_bs, end_bs, k] ranges; k = the policy's mean choice (rounded) at that batch size "
+                "on replayed train-split traces (speculative_config.num_speculative_tokens_per_batch_size)",
+    }
+    out = Path(cfg.out) if cfg.out else policy_dir(device, draft_name(cfg.draft)) / "vllm_table.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"num_speculative_tokens": result["num_speculative_tokens"],
+                      "num_speculative_tokens_per_batch_size": ranges}))
+    print(f"written: {out}")
+    return 0

@@ -1,0 +1,110 @@
+"""The profile command: `python scripts/profile_device.py --device auto` measures this device's cost
+profile (draft and verify seconds per k, context length and batch size) and records acceptance traces."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from decoding.config import parse_config, parse_ints
+from decoding.hardware import resolve_device, torch_device_of
+from decoding.models import ModelDrafter, load_draft, load_target, random_init_target
+from decoding.paths import slug, traces_path
+from decoding.policies import DEFAULT_K_MAX
+from decoding.prompts import load_prompts
+from env.oracle import record_trace, save_traces
+from env.profile import profile_costs
+
+from .plots import plot_profile
+
+
+@dataclass
+class ProfileConfig:
+    """Measure this device's cost profile (draft and verify seconds vs k) and record acceptance traces."""
+
+    device: str = "auto"
+    """Device to profile: auto | cpu | a100 | h100 | h200 | ... (must be present)."""
+    target: str = "embedded"
+    """Target model (see generate --target)."""
+    draft: str = "ngram"
+    """Drafter (see generate --draft)."""
+    target_config: str | None = None
+    """Profile a randomly initialised model of this shape instead of --target's weights: a config.json
+    path or a hub config id (cost does not depend on weight values; no weights need to be fetched)."""
+    draft_config: str | None = None
+    """Same for the draft (a random-init draft LM of this shape)."""
+    k_max: int = DEFAULT_K_MAX
+    """Largest k profiled."""
+    context_lens: str = "64,256,1024"
+    """Comma-separated context lengths to profile at."""
+    repeats: int = 5
+    """Repeats per (context length, k); medians are kept."""
+    batch_sizes: str = "1,2,4,8,16"
+    """Comma-separated batch sizes to profile (at the first context length); empty = none."""
+    traces: bool = True
+    """Also record greedy acceptance traces on the prompt set (real weights only)."""
+    prompts: str | None = None
+    """Prompt JSONL for the traces (default: the project's set, all splits)."""
+    max_new_tokens: int = 64
+    """Tokens per traced prompt."""
+    dtype: str = "auto"
+    """Model dtype: auto | float32 | bfloat16 | float16."""
+    out: str = "profiles"
+    """Folder for <device>.json, <device>.png and the traces."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def profile_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(ProfileConfig, argv)
+    device_key, hardware_name = resolve_device(cfg.device)
+    torch_device = torch_device_of(device_key)
+    lens = parse_ints(cfg.context_lens, "--context-lens")
+    if cfg.target_config:
+        target = random_init_target(cfg.target_config, cfg.dtype, torch_device)
+        prompt_ids = list(range(100, 164))
+    else:
+        target = load_target(cfg.target, cfg.dtype, torch_device)
+        prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
+    if cfg.draft_config:
+        draft_target = random_init_target(cfg.draft_config, cfg.dtype, torch_device)
+        draft = ModelDrafter(draft_target.model, draft_target.name, target.vocab_size)
+    else:
+        draft = load_draft(cfg.draft, target, cfg.dtype)
+    batch_sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes.strip() else []
+    bar = tqdm(total=(len(lens) + len(batch_sizes)) * cfg.repeats * (cfg.k_max + 1), desc="profile",
+               disable=not cfg.progress, file=sys.stderr)
+    profile = profile_costs(target, draft, prompt_ids, cfg.k_max, lens, cfg.repeats, progress=bar, batch_sizes=batch_sizes)
+    bar.close()
+    profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
+                    "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
+                    "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json
+    stem = device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config else f"{device_key}-{slug(draft.name)}"
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(profile, indent=1))
+    plot_profile(profile, out / f"{stem}.png")
+    print(f"cost profile of {device_key} ({hardware_name}): {path}")
+    for c, row in zip(profile["context_lens"], profile["verify_s"]):
+        print(f"  context {c:>5}: verify ms for k=0..{cfg.k_max}: " + " ".join(f"{1000 * s:.1f}" for s in row)
+              + f" | draft ms/token {1000 * profile['draft_s_per_token'][profile['context_lens'].index(c)]:.2f}")
+    for b, row, d in zip(profile.get("batch_sizes", []), profile.get("batch_verify_s", []), profile.get("batch_draft_s_per_token", [])):
+        print(f"  batch {b:>3} (context {profile['batch_context_len']}): verify ms for k=0..{cfg.k_max}: "
+              + " ".join(f"{1000 * s:.1f}" for s in row) + f" | draft ms/position {1000 * d:.2f}")
+    if cfg.traces and not cfg.target_config and not cfg.draft_config:
+        prompts = load_prompts(cfg.prompts, "all")
+        traces = [record_trace(target, draft, target.encode(p.text, chat=True), cfg.max_new_tokens, cfg.k_max,
+                               p.question_id, p.category)
+                  for p in tqdm(prompts, desc="traces", disable=not cfg.progress, file=sys.stderr)]
+        trace_path = out / traces_path(draft.name).name
+        save_traces(traces, trace_path, {"target": target.name, "draft": draft.name, "k_max": cfg.k_max,
+                                         "max_new_tokens": cfg.max_new_tokens,
+                                         "splits": {p.question_id: p.split for p in prompts}})
+        rate = sum(min(m, cfg.k_max) for t in traces for m in t.matches) / max(1, sum(t.available[i] for t in traces for i in range(len(t.matches))))
+        print(f"traces of {len(traces)} prompts: {trace_path} (mean matched share of available drafts {rate:.3f})")
+    return 0

@@ -1,0 +1,45 @@
+"""Where the project keeps its files: one place for the naming conventions every command shares.
+
+Paths are relative to the working directory (the repository root when run from there), so reports and
+exported files record them as they are written here, never a machine's absolute path.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PROFILES = Path("profiles")
+POLICIES = Path("policies")
+
+
+def slug(text: str) -> str:
+    """'ngram:3' -> 'ngram-3': a file-name-safe, lower-case form of a draft or device name."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def traces_path(draft_name: str) -> Path:
+    """profiles/traces-DRAFT.json: the greedy acceptance traces recorded with this draft."""
+    return PROFILES / f"traces-{slug(draft_name)}.json"
+
+
+def profile_path(device_key: str, draft_name: str | None = None) -> Path:
+    """profiles/DEVICE-DRAFT.json when that draft has its own profile (its draft cost), else profiles/DEVICE.json."""
+    if draft_name:
+        own = PROFILES / f"{device_key}-{slug(draft_name)}.json"
+        if own.exists():
+            return own
+    return PROFILES / f"{device_key}.json"
+
+
+def policy_dir(device_key: str, draft_name: str, root: str | Path = POLICIES) -> Path:
+    """ROOT/DEVICE/DRAFT: where a device's policy for one drafter (and its run, its engine tables) lives."""
+    return Path(root) / device_key / slug(draft_name)
+
+
+def relative(path: str | Path) -> str:
+    """A path as a report should record it: relative to the working directory when it lies below it."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)

@@ -1,0 +1,53 @@
+"""The package layout the README promises: one job per package, dependencies pointing one way."""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# a package may import from the packages of a lower layer, never of a higher one or the same
+LAYER = {"decoding": 0, "env": 1, "distill": 1, "bench": 2, "agents": 3}
+
+
+def project_imports(path: Path) -> set[str]:
+    """The project packages a module imports, at any depth in it (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found & set(LAYER)
+
+
+def test_dependencies_point_down():
+    wrong = []
+    for package, layer in LAYER.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for other in project_imports(path) - {package}:
+                if LAYER[other] >= layer:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {other}")
+    assert not wrong, wrong
+
+
+def test_the_checker_sees_a_wrong_import(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("def f():\n    from bench.benchmark import summarize\n")
+    assert project_imports(bad) == {"bench"}
+
+
+def test_decoding_loads_nothing_above_it():
+    """Importing every module of the decoder library loads no module of env, agents, bench or distill."""
+    code = (
+        "import importlib, json, pkgutil, sys, decoding\n"
+        "for m in pkgutil.iter_modules(decoding.__path__):\n"
+        "    importlib.import_module('decoding.' + m.name)\n"
+        "print(json.dumps(sorted(n for n in sys.modules if n.split('.')[0] in ('env', 'agents', 'bench', 'distill'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    modules = json.loads(out.stdout.strip().splitlines()[-1])
+    assert modules == []
+    assert len(list((ROOT / "decoding").glob("*.py"))) > 10  # the walk did reach the library's modules
