@@ -1,56 +1,61 @@
 """Per-step reward and per-episode accounting shared by the real and the replay env.
 
-A batch decodes until its last row ends, so plain decoding's time is not "tokens x plain seconds per
-token": plain decoding advances every row by one token per step, its batch shrinking only as rows end.
-`plain_batch_seconds` is that time from any state (a function of the rows' remaining tokens); a step
-is credited with the plain time it removed, the drop of that potential. Advancing the row with the most
-tokens left saves a whole plain step; advancing a row that is ahead saves only the small difference
-between a plain step of b and b - 1 rows. Summed over an episode the credit is exactly plain decoding's
-time of the batch, so the return measures batch time, not per-row throughput. One row: tokens x plain
-step seconds, as before.
+Plain decoding of a batch advances every running row by one token per step; its step j (the j-th new
+token of each row that reaches j tokens) costs `plain_step(context, rows)` with rows = how many rows
+produce a j-th token and context = their mean length before it. A row that ends at EOS before its
+budget takes no part in the steps after its end. An episode is credited with exactly that plain time
+of the same rows to the same ends: plain step j is credited at the policy step after which it is
+*complete*, i.e. every row still running has generated at least j tokens (a row that ended has taken
+part in all the steps it ever will). Advancing the row furthest behind completes plain steps and earns
+credit; advancing a row that is ahead earns nothing until the others catch up. One row: each new token
+completes one plain step, credited at its own context length.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 REWARDS = ("saved", "speedup")
 
 
-def plain_batch_seconds(remaining: list[int], plain_step: Callable[[int], float]) -> float:
-    """Seconds plain decoding needs to finish rows with these remaining tokens: sum over future steps of
-    plain_step(rows still running). `plain_step(b)`: seconds of a plain step of b rows."""
-    left = sorted((max(0, int(r)) for r in remaining), reverse=True) + [0]
-    return sum((left[j] - left[j + 1]) * plain_step(j + 1) for j in range(len(left) - 1) if left[j] > left[j + 1])
+def plain_layers_seconds(prompt_lens: Sequence[int], generated: Sequence[int], first: int, last: int,
+                         plain_step: Callable[[float, int], float]) -> float:
+    """Seconds of plain decoding's steps first..last (1-based) for rows with these prompt lengths that
+    generate these numbers of tokens: step j runs the rows with generated >= j at their mean context."""
+    total = 0.0
+    for j in range(first, last + 1):
+        rows = [p for p, g in zip(prompt_lens, generated) if g >= j]
+        if rows:
+            total += plain_step(sum(rows) / len(rows) + j - 1, len(rows))
+    return total
 
 
 class PlainCredit:
-    """Credits each step of an episode with the plain decoding time it removed from the batch: the drop
-    of `plain_batch_seconds` over the active rows' remaining tokens. Shared by the real and the replay
-    env; `plain_step(context_len, rows)` is the device's plain step seconds (measured or profiled)."""
+    """Credits each step of an episode with the plain decoding steps it completed (see the module
+    docstring): summed over an episode, exactly plain decoding's time of the same rows to the same ends.
+    `plain_step(context_len, rows)` is the device's plain step seconds (measured or profiled)."""
 
     def __init__(self, plain_step: Callable[[float, int], float]):
         self.plain_step = plain_step
 
     def reset(self, state) -> None:
+        self.prompt_lens = [r.prompt_len for r in state.rows]
         rows = state.active_rows
         self.context0 = sum(r.length for r in rows) / len(rows)
         self.unit = self.plain_step(self.context0, len(rows))  # a plain step of the episode's batch: the reward's unit
-        self.left = self._left(state)
+        self.completed = 0
 
     def take(self, state) -> float:
-        """Seconds of plain decoding the step just taken removed (call once after each step)."""
-        left = self._left(state)
-        saved, self.left = self.left - left, left
+        """Seconds of plain decoding the step just taken completed (call once after each step)."""
+        generated = [r.length - r.prompt_len for r in state.rows]
+        running = [generated[i] for i in state.active]
+        complete = min(running) if running else max(generated)
+        saved = plain_layers_seconds(self.prompt_lens, generated, self.completed + 1, complete, self.plain_step)
+        self.completed = max(self.completed, complete)
         return saved
 
-    def batch_seconds(self, lengths: list[int]) -> float:
-        """Plain decoding time of rows generating these numbers of tokens (at the episode's start context)."""
-        return plain_batch_seconds(lengths, lambda b: self.plain_step(self.context0, b))
-
-    def _left(self, state) -> float:
-        rows = state.active_rows
-        context = sum(r.length for r in rows) / len(rows) if rows else self.context0
-        return plain_batch_seconds([r.remaining for r in rows], lambda b: self.plain_step(context, b))
+    def batch_seconds(self, generated: list[int]) -> float:
+        """Plain decoding time of the episode's rows generating these numbers of tokens."""
+        return plain_layers_seconds(self.prompt_lens, generated, 1, max(generated, default=0), self.plain_step)
 
 
 def step_reward(tokens: float, seconds: float, plain_step_seconds: float, mode: str = "saved") -> float:

@@ -115,7 +115,8 @@ def test_real_env_draws_batches(tiny_model_dirs):
     env = SpecDecodeEnv(**kwargs)
     _, info = env.reset(seed=0, options={"batch_size": 3})
     assert info["batch_size"] == 3
-    plain_left, norm = env.credit.left, env.credit.unit
+    norm = env.credit.unit
+    prompt_lens = [r.prompt_len for r in env.state.rows]
     tokens, done, total, seconds = 0, False, 0.0, 0.0
     while not done:
         _, reward, done, _, step_info = env.step(2)
@@ -123,9 +124,11 @@ def test_real_env_draws_batches(tiny_model_dirs):
         total += reward
         seconds += step_info["seconds"]
     assert tokens == 3 * 8
-    # the return is the plain batch time at reset (rows x their budget) minus the measured time
-    assert plain_left == pytest.approx(8 * speed.step_seconds(env.credit.context0, 3))
-    assert total == pytest.approx((plain_left - seconds) / norm)
+    # the return is plain decoding's time of the same rows (8 steps of three rows, each at the rows' mean
+    # context before it) minus the measured time
+    plain = sum(speed.step_seconds(sum(prompt_lens) / 3 + j, 3) for j in range(8))
+    assert env.credit.batch_seconds([8, 8, 8]) == pytest.approx(plain)
+    assert total == pytest.approx((plain - seconds) / norm)
     assert {env.reset(seed=s)[1]["batch_size"] for s in range(12)} == {1, 2, 4}
 
 
@@ -160,14 +163,14 @@ def test_static_policy_in_batched_replay_drafts_the_widest_row():
     assert env.last_step.k == 3 and env.last_step.accepted_rows == [1, 0]
 
 
-def test_plain_batch_seconds_counts_the_shrinking_batch():
-    from env.episode import plain_batch_seconds
+def test_plain_layers_seconds_counts_the_shrinking_batch():
+    from env.episode import plain_layers_seconds
 
-    step = {1: 1.0, 2: 1.5, 3: 1.8}.__getitem__
-    # rows with 5, 2 and 2 tokens left: 2 steps of three rows, then 3 steps of one row
-    assert plain_batch_seconds([5, 2, 2], step) == pytest.approx(2 * 1.8 + 3 * 1.0)
-    assert plain_batch_seconds([4], step) == pytest.approx(4.0)
-    assert plain_batch_seconds([0, 0], step) == 0.0
+    step = lambda context, rows: {1: 1.0, 2: 1.5, 3: 1.8}[rows]  # noqa: E731
+    # rows generating 5, 2 and 2 tokens: 2 steps of three rows, then 3 steps of one row
+    assert plain_layers_seconds([3, 3, 3], [5, 2, 2], 1, 5, step) == pytest.approx(2 * 1.8 + 3 * 1.0)
+    assert plain_layers_seconds([3], [4], 1, 4, step) == pytest.approx(4.0)
+    assert plain_layers_seconds([3, 3], [0, 0], 1, 0, step) == 0.0
 
 
 def flat_batch_cost() -> CostModel:
