@@ -10,8 +10,8 @@ from decoding.config import parse_config, parse_ints
 from decoding.errors import SpecPilotError
 from decoding.hardware import device_of
 from decoding.models import load_draft, load_target, resolve_torch_device
-from decoding.paths import profile_path, relative, traces_path
-from decoding.policies import DEFAULT_K_MAX, parse_policy
+from decoding.paths import policy_dir, profile_path, relative, traces_path
+from decoding.policies import DEFAULT_K_MAX, PerBatchK, parse_policy
 from decoding.prompts import load_prompts, per_category
 from decoding.sampling import Sampling
 from env.oracle import (
@@ -48,7 +48,8 @@ class BenchmarkConfig:
     """Benchmark length policies side by side (interleaved, medians) on a prompt set."""
 
     policies: str = "none,static:1,static:2,static:4,static:8,heuristic,confidence:0.5"
-    """Comma-separated policies; static:A..B expands to every k in the range."""
+    """Comma-separated policies; static:A..B expands to every k in the range; also oracle, batch-table,
+    best-rule (per batch size the best engine rule tuned on the train split) and rule:FAMILY."""
     draft: str = "ngram"
     """Drafter for every speculative policy (see generate --draft)."""
     target: str = "embedded"
@@ -93,6 +94,9 @@ class BenchmarkConfig:
     replay: bool = False
     """Instead of timing the real loop, evaluate the policies on the recorded traces with the device's
     cost model, without noise (the replay env PPO pre-trains on): seconds instead of minutes."""
+    rules: str | None = None
+    """Tuned rules for the policies best-rule and rule:FAMILY (default: policies/DEVICE/DRAFT/rules.json,
+    written by scripts/tune_rules.py on the train split)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -132,6 +136,29 @@ def _batch_table(cfg, device_key: str, draft, sampling) -> BatchTableK:
     if not profile.get("batch_sizes"):
         raise SpecPilotError(f"the cost profile of {device_key} has no batch sizes; rerun scripts/profile_device.py")
     return BatchTableK.from_profile(profile, train_traces(traces, meta), cfg.k_max)
+
+
+def _tuned_rule(cfg, name: str, device_key: str, draft, sampling) -> PerBatchK:
+    """`best-rule` or `rule:FAMILY`: the rules tuned on the train split by scripts/tune_rules.py, one
+    spelling per batch size (policies/DEVICE/DRAFT/rules.json or --rules)."""
+    path = Path(cfg.rules) if cfg.rules else policy_dir(device_key, draft.name) / "rules.json"
+    if not path.exists():
+        raise SpecPilotError(f"no tuned rules {path}; run: python scripts/tune_rules.py --device {device_key} "
+                             f"--draft {draft.name}")
+    rules = json.loads(path.read_text())
+    if rules.get("draft") != draft.name:
+        raise SpecPilotError(f"rules {path} were tuned for draft '{rules.get('draft')}', not '{draft.name}'")
+    family = name.partition(":")[2]
+    by_batch = rules["best_rule"] if name == "best-rule" else rules["best"].get(family)
+    if by_batch is None:
+        raise SpecPilotError(f"rules {path} have no family '{family}'; tuned: {', '.join(rules['best'])}")
+    made = {}
+    for b, spec in by_batch.items():
+        made[int(b)] = (_batch_table(cfg, device_key, draft, sampling) if spec == "batch-table"
+                        else parse_policy(spec, cfg.k_max, draft=draft.name))
+    policy = PerBatchK(made, name)
+    policy.table = {int(b): spec for b, spec in by_batch.items()}
+    return policy
 
 
 def _command(argv: list[str] | None) -> str:
@@ -250,6 +277,8 @@ def benchmark_main(argv: list[str] | None = None) -> int:
             policies[n] = _oracle(cfg, device_key, draft, sampling)
         elif n == "batch-table":
             policies[n] = _batch_table(cfg, device_key, draft, sampling)
+        elif n == "best-rule" or n.startswith("rule:"):
+            policies[n] = _tuned_rule(cfg, n, device_key, draft, sampling)
         else:
             policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key,
                                        draft=draft.name)

@@ -7,6 +7,9 @@ k = 0 turns speculation off for a step (a plain target step).
 """
 from __future__ import annotations
 
+import math
+from collections import deque
+
 import numpy as np
 
 from .errors import SpecPilotError
@@ -101,7 +104,145 @@ class MatchLengthK(LengthPolicy):
         return self.k if obs[self._index] >= self.min_match else 0
 
 
-POLICY_HELP = ("none | static:K | heuristic | confidence:T | match:N[:K] | learned | learned:PATH "
+def _batch_of(obs) -> int:
+    """The batch size an observation describes (its `batch_size_log` feature)."""
+    return max(1, int(round(math.exp(float(obs[_BATCH])))))
+
+
+_BATCH = FEATURES.index("batch_size_log")
+
+
+class SGLangAdaptiveK(LengthPolicy):
+    """SGLang's `--speculative-adaptive` (`--speculative-adaptive-config`): k follows an exponential
+    moving average of the accepted length. Defaults are SGLang's: `candidate_steps` [1, 3, 7],
+    `ema_alpha` 0.2, `update_interval` 5, `warmup_batches` 10, `down_hysteresis` -0.25,
+    `up_hysteresis` 0.0, one state per batch size (SGLang keeps per-batch-size buckets).
+
+    After every step that drafted, EMA <- alpha * accept_length + (1 - alpha) * EMA (the first
+    observation sets it), where accept_length counts the accepted drafts plus the target's own token, as
+    SGLang reports it. After the warm-up, every `update_interval` steps the target is EMA + 1: k moves up
+    to the next candidate while target >= that candidate + up_hysteresis, and down to the previous one
+    while target < the current k + down_hysteresis (so a full accept at k = 1 climbs to 3, and three
+    tokens a step at k = 7 fall back to 3). It
+    starts at the largest candidate (SGLang's configured speculative_num_steps) and never turns
+    speculation off. k is capped at k_max."""
+
+    def __init__(self, candidates=(1, 3, 7), alpha: float = 0.2, update_interval: int = 5, warmup: int = 10,
+                 down_hysteresis: float = -0.25, up_hysteresis: float = 0.0, k_max: int = DEFAULT_K_MAX):
+        candidates = sorted({int(c) for c in candidates})
+        if not candidates or candidates[0] < 1 or not 0.0 < alpha <= 1.0 or update_interval < 1 or warmup < 0:
+            raise SpecPilotError(f"sglang-adaptive needs candidates >= 1, 0 < alpha <= 1, interval >= 1, warmup >= 0; "
+                                 f"got {candidates}, {alpha}, {update_interval}, {warmup}")
+        self.candidates, self.alpha = candidates, float(alpha)
+        self.update_interval, self.warmup = int(update_interval), int(warmup)
+        self.down, self.up = float(down_hysteresis), float(up_hysteresis)
+        self.k_max = min(k_max, candidates[-1])
+        self.name = "sglang-adaptive" + ("" if (candidates, alpha) == ([1, 3, 7], 0.2)
+                                         else ":" + "/".join(map(str, candidates)) + f":{alpha:g}")
+        self.reset()
+
+    def reset(self) -> None:
+        self.buckets: dict[int, list] = {}  # batch size -> [candidate index, EMA or None, steps seen]
+
+    def _bucket(self, batch: int) -> list:
+        return self.buckets.setdefault(batch, [len(self.candidates) - 1, None, 0])
+
+    def choose_k(self, obs) -> int:
+        return min(self.k_max, self.candidates[self._bucket(_batch_of(obs))[0]])
+
+    def update(self, step) -> None:
+        if step.k <= 0:
+            return
+        bucket = self._bucket(len(step.accepted_rows))
+        accepted = float(step.accepted) + 1.0  # accept_length: the accepted drafts and the target's token
+        bucket[1] = accepted if bucket[1] is None else self.alpha * accepted + (1.0 - self.alpha) * bucket[1]
+        bucket[2] += 1
+        if bucket[2] <= self.warmup or (bucket[2] - self.warmup) % self.update_interval:
+            return
+        target, i = bucket[1] + 1.0, bucket[0]
+        while i + 1 < len(self.candidates) and target >= self.candidates[i + 1] + self.up:
+            i += 1
+        while i > 0 and target < self.candidates[i] + self.down:
+            i -= 1
+        bucket[0] = i
+
+
+class TrtllmK(LengthPolicy):
+    """TensorRT-LLM's `draft_len_schedule` ({batch size: k}; k = 0 above the largest key) with its
+    acceptance cut-off (`acceptance_rate_window_size`, `acceptance_rate_threshold`): once the rolling
+    acceptance rate (accepted / drafted over the last `window` steps that drafted) falls below
+    `threshold`, speculation is off for the rest of the request. TensorRT-LLM's defaults: no schedule (the
+    configured max draft length at every batch size) and no cut-off (window 0).
+
+    A batch size between two keys takes the k of the next key up (the schedule's keys are upper bounds)."""
+
+    def __init__(self, schedule: dict[int, int] | None = None, window: int = 0, threshold: float = 0.0,
+                 k_max: int = DEFAULT_K_MAX):
+        self.schedule = dict(sorted((int(b), int(k)) for b, k in (schedule or {}).items()))
+        if any(b < 1 or not 0 <= k <= k_max for b, k in self.schedule.items()) or window < 0 or not 0 <= threshold <= 1:
+            raise SpecPilotError(f"trtllm needs batch sizes >= 1, k in [0, {k_max}], window >= 0, threshold in [0, 1]; "
+                                 f"got {self.schedule}, {window}, {threshold}")
+        self.window, self.threshold = int(window), float(threshold)
+        self.k_max = max(self.schedule.values(), default=k_max)
+        sched = "/".join(f"{b}={k}" if b < 10**9 else str(k) for b, k in self.schedule.items()) or str(k_max)
+        self.name = f"trtllm:{sched}" + (f":{self.window}:{self.threshold:g}" if self.window else "")
+        self.reset()
+
+    def reset(self) -> None:
+        self.history: deque = deque(maxlen=max(1, self.window))
+        self.off = False
+
+    def k_for(self, batch: int) -> int:
+        if not self.schedule:
+            return self.k_max
+        return next((k for b, k in self.schedule.items() if batch <= b), 0)
+
+    def choose_k(self, obs) -> int:
+        return 0 if self.off else self.k_for(_batch_of(obs))
+
+    def update(self, step) -> None:
+        if not self.window or step.k <= 0:
+            return
+        self.history.append((float(step.accepted), step.k))
+        if len(self.history) == self.window:
+            rate = sum(a for a, _ in self.history) / sum(k for _, k in self.history)
+            self.off = self.off or rate < self.threshold
+
+
+
+class PerBatchK(LengthPolicy):
+    """One policy per batch size (the tuned best rule): a batch of B rows is decided by the policy of the
+    largest listed batch size <= B (the smallest one below all of them). Every policy sees every update."""
+
+    def __init__(self, policies: dict[int, LengthPolicy], name: str = "per-batch"):
+        if not policies:
+            raise SpecPilotError("PerBatchK needs at least one (batch size, policy) entry")
+        self.policies = dict(sorted(policies.items()))
+        self.name = name
+        self.k_max = max(p.k_max for p in self.policies.values())
+        self.stop_below = None
+
+    def policy_for(self, batch: int) -> LengthPolicy:
+        chosen = next(iter(self.policies.values()))
+        for size, policy in self.policies.items():
+            if size <= batch:
+                chosen = policy
+        return chosen
+
+    def reset(self) -> None:
+        for policy in self.policies.values():
+            policy.reset()
+
+    def choose_k(self, obs) -> int:
+        return self.policy_for(_batch_of(obs)).choose_k(obs)
+
+    def update(self, step) -> None:
+        for policy in self.policies.values():
+            policy.update(step)
+
+
+POLICY_HELP = ("none | static:K | heuristic | confidence:T | match:N[:K] | sglang-adaptive[:C1/C2/..[:ALPHA]] | "
+               "trtllm:B=K/B=K/..[:WINDOW:THRESHOLD] | learned | learned:PATH "
                "(benchmark also: oracle, batch-table)")
 
 
@@ -130,10 +271,24 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
                 raise SpecPilotError(f"policy '{text}' reads prompt lookup's n-gram match; draft '{draft}' has none "
                                      "(use --draft ngram)")
             return MatchLengthK(float(n), k)
+        if name == "sglang-adaptive":
+            parts = arg.split(":") if arg else []
+            candidates = [int(c) for c in parts[0].split("/")] if parts and parts[0] else (1, 3, 7)
+            if max(candidates) > k_max:
+                raise SpecPilotError(f"sglang-adaptive candidate {max(candidates)} is above k_max={k_max}")
+            return SGLangAdaptiveK(candidates, float(parts[1]) if len(parts) > 1 else 0.2, k_max=k_max)
+        if name == "trtllm":
+            parts = arg.split(":") if arg else []
+            schedule = {}
+            for entry in parts[0].split("/") if parts and parts[0] else []:
+                b, eq, k = entry.partition("=")
+                schedule[int(b) if eq else 10**9] = int(k if eq else b)
+            if len(parts) not in (0, 1, 3):
+                raise ValueError
+            window, threshold = (int(parts[1]), float(parts[2])) if len(parts) == 3 else (0, 0.0)
+            return TrtllmK(schedule, window, threshold, k_max)
         if name == "learned":
-            from .learned import (
-                LearnedK,  # learned.py builds on this module (LengthPolicy)
-            )
+            from .learned import LearnedK  # noqa: I001 (learned.py builds on this module: LengthPolicy)
 
             return LearnedK.load(arg or None, **learned_kwargs)
     except ValueError:

@@ -10,7 +10,8 @@ from decoding.loop import generate
 from decoding.policies import parse_policy
 
 PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42]]
-POLICIES = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5", "match:2"]
+POLICIES = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5", "match:2",
+            "sglang-adaptive", "sglang-adaptive:1/2/4:0.5", "trtllm:1=7/4=3:4:0.3"]
 
 
 def drafters(target_model, draft_model):

@@ -1,0 +1,130 @@
+"""The tune command: `python scripts/tune_rules.py --device cpu --draft ngram` tunes every engine's k rule
+on the train split (a small grid on the noise-free replay env) and writes the best parameters per batch
+size where the benchmark reads them (`policies/<device>/<draft>/rules.json`: policies `best-rule` and
+`rule:FAMILY`). Nothing is tuned on the test or ood split."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from decoding.config import parse_config, parse_ints
+from decoding.errors import SpecPilotError
+from decoding.paths import policy_dir, profile_path, relative, traces_path
+from decoding.policies import DEFAULT_K_MAX, LengthPolicy, parse_policy
+from env.oracle import (
+    CostModel,
+    load_draft_traces,
+    load_profile,
+    profile_hardware,
+    train_traces,
+    truncate,
+)
+from env.replay_env import replay_evaluate
+
+from .batch_table import BatchTableK
+
+FAMILIES = ("static", "heuristic", "batch-table", "match", "sglang-adaptive", "trtllm")
+
+
+@dataclass
+class TuneConfig:
+    """Tune the engines' k rules on the train split (replay env, noise-free) for one device and draft."""
+
+    device: str = "cpu"
+    """Device key whose cost profile is used (profiles/DEVICE[-DRAFT].json)."""
+    draft: str = "ngram:3"
+    """The draft the rules are tuned for (its traces: profiles/traces-DRAFT.json)."""
+    profile: str | None = None
+    """Cost profile (default: the device's)."""
+    traces: str | None = None
+    """Acceptance traces (default: the draft's); only their train split is used."""
+    batch_sizes: str = "1,2,4,8,16"
+    """Batch sizes to tune at (each gets its own best parameters)."""
+    max_new_tokens: int = 48
+    """Tokens per row in the replay (the budget the benchmark uses)."""
+    k_max: int = DEFAULT_K_MAX
+    """Largest k any rule may choose."""
+    out: str | None = None
+    """JSON to write (default: policies/DEVICE/DRAFT/rules.json)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def grid(k_max: int, ngram: bool) -> dict[str, list[str]]:
+    """The candidate spellings of each family (batch-table has no parameter: built from the profile)."""
+    ks = range(1, k_max + 1)
+    cands = [c for c in ("1/3/7", "1/2/4", "2/4/8", "1/4/8", "1/2/3/4/5/6/7/8") if max(map(int, c.split("/"))) <= k_max]
+    return {
+        "static": [f"static:{k}" for k in range(k_max + 1)],  # static:0 = plain decoding (a table may say 0)
+        "heuristic": ["heuristic"],
+        "batch-table": ["batch-table"],
+        "match": [f"match:{n}:{k}" for n in (1, 2, 3, 4) for k in ks if k >= 2] if ngram else [],
+        "sglang-adaptive": [f"sglang-adaptive:{c}:{a}" for c in cands for a in (0.2, 0.5)],
+        "trtllm": [f"trtllm:{k}" + (f":{w}:{t}" if w else "") for k in range(k_max + 1) for w, t in
+                   [(0, 0)] + [(w, t) for w in (4, 16) for t in (0.1, 0.3, 0.5)]],
+    }
+
+
+def tune(policies: dict[str, LengthPolicy], families: dict[str, list[str]], traces, cost, k_max: int, hardware,
+         sizes: list[int], max_new_tokens: int, progress: bool = True) -> dict:
+    """{"speedups": {b: {spelling: speedup}}, "best": {family: {b: spelling}}}: per batch size, each
+    family's best spelling on these traces."""
+    speedups = {}
+    for b in tqdm(sizes, desc="tune", disable=not progress, file=sys.stderr):
+        scores = replay_evaluate(policies, traces, cost, k_max, hardware, b, max_new_tokens)
+        speedups[b] = {name: round(float(row["speedup"]), 5) for name, row in scores.items()}
+    best = {family: {b: max(names, key=lambda n: speedups[b][n]) for b in sizes}
+            for family, names in families.items() if names}
+    if "trtllm" in best:  # one window / threshold for the whole schedule (one engine config), k per batch size
+        cutoffs = sorted({n.partition(":")[2].partition(":")[2] for n in families["trtllm"]})
+
+        def with_cutoff(cut: str) -> dict[int, str]:
+            return {b: max((n for n in families["trtllm"] if n.partition(":")[2].partition(":")[2] == cut),
+                           key=lambda n: speedups[b][n]) for b in sizes}
+
+        cut = max(cutoffs, key=lambda c: sum(math.log(speedups[b][n]) for b, n in with_cutoff(c).items()))
+        best["trtllm"] = with_cutoff(cut)
+    overall = {b: max((best[f][b] for f in best), key=lambda n: speedups[b][n]) for b in sizes}
+    return {"speedups": speedups, "best": best, "best_rule": overall}
+
+
+def tune_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(TuneConfig, argv)
+    sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
+    source = Path(cfg.profile) if cfg.profile else profile_path(cfg.device, cfg.draft)
+    profile = load_profile(source)
+    traces, meta = load_draft_traces(cfg.traces or traces_path(cfg.draft), cfg.draft, cfg.max_new_tokens)
+    traces = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
+    cost = CostModel.from_profile(profile)
+    if max(sizes) > 1 and not profile.get("batch_sizes"):
+        raise SpecPilotError(f"the cost profile {source} has no batch sizes; rerun scripts/profile_device.py")
+    families = grid(cfg.k_max, cfg.draft.startswith("ngram"))
+    policies: dict[str, LengthPolicy] = {"none": parse_policy("none")}
+    for names in families.values():
+        for name in names:
+            policies[name] = (BatchTableK.from_profile(profile, traces, cfg.k_max) if name == "batch-table"
+                              else parse_policy(name, cfg.k_max, draft=cfg.draft))
+    result = tune(policies, families, traces, cost, cfg.k_max, profile_hardware(profile), sizes, cfg.max_new_tokens,
+                  cfg.progress)
+    out = Path(cfg.out) if cfg.out else policy_dir(cfg.device, cfg.draft) / "rules.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"device": cfg.device, "draft": cfg.draft, "split": "train", "traces": len(traces),
+           "profile": relative(source), "max_new_tokens": cfg.max_new_tokens, "k_max": cfg.k_max,
+           "note": "per batch size, each engine rule's best spelling on the train-split replay (noise-free); "
+                   "best_rule: the best of them", **result}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, out)
+    print(f"tuned on {len(traces)} train-split traces, {cfg.max_new_tokens} tokens, cost profile {relative(source)}; "
+          "replay speedup over plain of each family's best, per batch size:")
+    print(f"{'family':<16}" + "".join(f"{'B=' + str(b):>34}" for b in sizes))
+    for family, by_b in {**result["best"], "best-rule": result["best_rule"]}.items():
+        print(f"{family:<16}" + "".join(f"{by_b[b]:>27} {result['speedups'][b][by_b[b]]:.3f}x" for b in sizes))
+    print(f"written: {out}")
+    return 0

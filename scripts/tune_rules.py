@@ -1,0 +1,9 @@
+#!/usr/bin/env python
+"""Tune the serving engines' k rules on the train split for a device and draft; see --help."""
+import sys
+
+from bench.tune_cli import tune_main
+from decoding.config import run_cli
+
+if __name__ == "__main__":
+    sys.exit(run_cli(tune_main))

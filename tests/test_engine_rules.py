@@ -1,0 +1,151 @@
+"""The serving engines' k rules, on hand-made step sequences: the k each chooses after given accept histories."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from decoding.errors import SpecPilotError
+from decoding.loop import StepResult
+from decoding.observation import FEATURES
+from decoding.policies import SGLangAdaptiveK, TrtllmK, parse_policy
+
+
+def obs(batch: int = 1) -> np.ndarray:
+    o = np.zeros(len(FEATURES), dtype=np.float32)
+    o[FEATURES.index("batch_size_log")] = math.log(batch)
+    return o
+
+
+def step(k: int, accepted_rows: list[int]) -> StepResult:
+    return StepResult(k=k, k_requested=k, accepted=sum(accepted_rows) / len(accepted_rows), new_tokens=[],
+                      draft_s=0.0, verify_s=0.0, accepted_rows=accepted_rows)
+
+
+def run(policy, accepts: list[int], batch: int = 1) -> list[int]:
+    """Feed steps that accept these counts; return the k chosen before each step."""
+    chosen = []
+    for a in accepts:
+        k = policy.choose_k(obs(batch))
+        chosen.append(k)
+        policy.update(step(k, [min(a, k)] * batch))
+    return chosen
+
+
+def test_sglang_defaults_hold_k_through_warmup_then_follow_the_ema():
+    policy = parse_policy("sglang-adaptive")
+    assert isinstance(policy, SGLangAdaptiveK) and policy.candidates == [1, 3, 7] and policy.alpha == 0.2
+    # nothing accepted (accept length 1, target 2): k stays at 7 for the 10 warm-up steps and the first
+    # 4 after, then drops straight to the smallest candidate at the 15th update
+    ks = run(policy, [0] * 20)
+    assert ks[:15] == [7] * 15 and ks[15:] == [1] * 5
+
+
+def test_sglang_goes_up_only_when_the_target_reaches_the_next_candidate():
+    policy = SGLangAdaptiveK(warmup=0, update_interval=1)
+    policy.buckets[1] = [0, 1.0, 0]  # k = 1, EMA accept length 1
+    # k = 1 accepting nothing: accept length 1, target 2 < 3: stays
+    assert run(policy, [0] * 10) == [1] * 10
+    # full accepts at k = 1: accept length 2, EMA 1.2, 1.36, ... target = EMA + 1 reaches 3 only when EMA
+    # reaches 2, which an EMA of 2s approaches but never meets: stays at 1 with up_hysteresis 0
+    assert run(policy, [1] * 10) == [1] * 10
+    up = SGLangAdaptiveK(warmup=0, update_interval=1, up_hysteresis=-0.2)
+    up.buckets[1] = [0, 1.0, 0]
+    # now EMA + 1 >= 3 - 0.2 once EMA reaches 1.8 (after 7 full accepts): up to 3; at 3, full accepts give
+    # accept length 4, target <= 5 < 7: it stays at 3
+    ks = run(up, [7] * 20)
+    assert ks[:8] == [1] * 8 and ks[8:] == [3] * 12
+
+
+def test_sglang_hysteresis_down():
+    policy = SGLangAdaptiveK(warmup=0, update_interval=1)
+    policy.buckets[1] = [2, 7.0, 0]  # k = 7, EMA accept length 7 (target 8)
+    # accepting 5 (length 6): EMA 6.8, target 7.8 >= 6.75: stays at 7; accepting 1 (length 2): EMA 5.84,
+    # target 6.84: stays; accepting 0: EMA 4.87, target 5.87 < 6.75: down to 3
+    assert run(policy, [5, 1, 0, 0]) == [7, 7, 7, 3]
+
+
+def test_sglang_keeps_one_state_per_batch_size():
+    policy = SGLangAdaptiveK(warmup=0, update_interval=1)
+    run(policy, [0] * 3, batch=4)
+    assert policy.choose_k(obs(4)) == 1 and policy.choose_k(obs(1)) == 7
+    policy.reset()
+    assert policy.choose_k(obs(4)) == 7
+
+
+def test_trtllm_schedule_and_cutoff():
+    policy = parse_policy("trtllm:1=7/4=3/8=1:4:0.5")
+    assert isinstance(policy, TrtllmK)
+    assert [policy.choose_k(obs(b)) for b in (1, 2, 4, 5, 8, 9, 16)] == [7, 3, 3, 1, 1, 0, 0]
+    # rolling acceptance over 4 drafting steps: 7/7, 0/7, 7/7 then 0/7 -> 14/28 = 0.5, not below 0.5: on;
+    # the next 0/7 makes it 7/28 < 0.5: off for good, whatever is accepted after
+    assert run(policy, [7, 0, 7, 0, 0, 7, 7]) == [7, 7, 7, 7, 7, 0, 0]
+    policy.reset()  # a new request
+    assert policy.choose_k(obs(1)) == 7
+
+
+def test_trtllm_defaults_and_bad_specs():
+    policy = parse_policy("trtllm:5")
+    assert [policy.choose_k(obs(b)) for b in (1, 64)] == [5, 5] and run(policy, [0] * 20) == [5] * 20
+    for bad in ("trtllm:1=9", "trtllm:0=3", "trtllm:1=3:4", "trtllm:1=3:4:1.5", "sglang-adaptive:0/3",
+                "sglang-adaptive:1/3/9", "sglang-adaptive:1/3:0", "trtllm:x"):
+        with pytest.raises(SpecPilotError):
+            parse_policy(bad)
+
+
+def test_per_batch_policy_dispatches_on_the_batch_size():
+    from decoding.policies import PerBatchK, StaticK
+
+    policy = PerBatchK({1: StaticK(5), 4: StaticK(2), 16: StaticK(0)})
+    assert [policy.choose_k(obs(b)) for b in (1, 3, 4, 15, 16, 40)] == [5, 5, 2, 2, 0, 0]
+    assert policy.k_max == 5
+
+
+def test_tune_picks_each_familys_best_on_the_train_split_and_best_rule_replays_it(tmp_path, capsys):
+    """On the hand-made profile (speculation free at one row, a loss at 16 rows) with every draft
+    accepted, the tuned best rule drafts the most at B = 1 and nothing at B = 16, the test-split trace
+    (no accepts) never influences it, and the benchmark's best-rule replays what was tuned."""
+    import json
+
+    from test_batch_policy import K_MAX, batch_profile, full_match_trace
+
+    from bench.benchmark_cli import benchmark_main
+    from bench.tune_cli import tune_main
+    from env.oracle import Trace
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({**batch_profile(), "device": "cpu"}))
+    bad = Trace("test-0", "c", list(range(5)), list(range(100, 120)), [0] * 20, [K_MAX] * 20, k_max=K_MAX)
+    traces = tmp_path / "traces.json"
+    traces.write_text(json.dumps({"meta": {"draft": "ngram:3", "target": "t", "max_new_tokens": 20,
+                                           "splits": {"t0": "train", "t1": "train", "test-0": "test"}},
+                                  "traces": [full_match_trace(q).__dict__ for q in ("t0", "t1")] + [bad.__dict__]}))
+    rules = tmp_path / "rules.json"
+    assert tune_main(["--profile", str(profile), "--traces", str(traces), "--batch-sizes", "1,16", "--k-max",
+                      str(K_MAX), "--max-new-tokens", "20", "--out", str(rules), "--no-progress"]) == 0
+    doc = json.loads(rules.read_text())
+    assert doc["traces"] == 2 and doc["split"] == "train"
+    assert doc["best"]["static"] == {"1": f"static:{K_MAX}", "16": "static:0"}
+    assert doc["best_rule"]["16"] == "static:0" and doc["speedups"]["16"]["static:0"] == pytest.approx(1.0)
+    best = doc["best_rule"]
+    assert doc["speedups"]["1"][best["1"]] == max(doc["speedups"]["1"].values())
+    assert doc["speedups"]["16"][best["16"]] == max(doc["speedups"]["16"].values())
+    assert set(doc["best"]) == {"static", "heuristic", "batch-table", "match", "sglang-adaptive", "trtllm"}
+    # the benchmark reads the tuned rules: on the train split's replay it reproduces the tuned speedups
+    code = benchmark_main(["--device", "cpu", "--draft", "ngram:3", "--split", "all", "--replay", "--profile",
+                           str(profile), "--traces", str(traces), "--rules", str(rules), "--batch-sizes", "1",
+                           "--k-max", str(K_MAX), "--max-new-tokens", "20", "--policies", "none,best-rule,rule:static",
+                           "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "out")])
+    assert code == 0
+    replay = json.loads((tmp_path / "out" / "replay_batch.json").read_text())["results"]["1"]
+    assert replay["rule:static"]["speedup"] == pytest.approx(doc["speedups"]["1"][f"static:{K_MAX}"])
+
+
+def write_prompts(folder):
+    import json
+
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question_id": q, "category": "c", "split": "train", "turns": ["hi"]}) + "\n"
+                            for q in ("t0", "t1")))
+    return path
