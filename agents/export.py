@@ -29,42 +29,49 @@ def _versions() -> dict:
             "gymnasium": gymnasium.__version__, "numpy": np.__version__, "python": platform.python_version()}
 
 
-def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
-                  check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
-    """Write policy.safetensors + policy.json; verify LearnedK picks SB3's actions on a batch of observations."""
+def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]], normalization: dict, activation: str,
+                 k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict) -> Path:
+    """Write policy.safetensors + policy.json (the format `LearnedK` reads) for an MLP given as (W, b) layers."""
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    layers = _linear_layers(model)
     names = [f"layer{i}" for i in range(len(layers))]
     weights = {}
-    for name, layer in zip(names, layers):
-        weights[f"{name}.weight"] = layer.weight.detach().cpu().numpy().astype(np.float32)
-        weights[f"{name}.bias"] = layer.bias.detach().cpu().numpy().astype(np.float32)
+    for name, (w, b) in zip(names, layers):
+        weights[f"{name}.weight"] = np.asarray(w, dtype=np.float32)
+        weights[f"{name}.bias"] = np.asarray(b, dtype=np.float32)
     meta = {
         "format_version": FORMAT_VERSION,
         "features": list(FEATURES),
-        "normalization": {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
-                          "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs),
-                          # for reading: the features held at their training mean (std < MIN_FEATURE_STD; LearnedK
-                          # derives them from `var`, as agents.ppo.PinnedVecNormalize does in training)
-                          "pinned": [f for f, p in zip(FEATURES, pinned_mask(venv.obs_rms.var)) if p]},
+        # `pinned` is for reading: the features held at their training mean (std < MIN_FEATURE_STD); LearnedK
+        # derives them from `var`, as agents.ppo.PinnedVecNormalize does in training
+        "normalization": {**normalization, "pinned": [f for f, p in zip(FEATURES, pinned_mask(normalization["var"])) if p]},
         "activation": activation,
         "layers": names,
         "action_to_k": list(range(k_max + 1)),
         "k_max": k_max,
         "device": device,
         "hardware_name": hardware_name,
-        "training_steps": int(model.num_timesteps),
+        "training_steps": int(training_steps),
         "versions": _versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **provenance,
     }
-    weights_path = out / "policy.safetensors"
-    save_file(weights, str(weights_path))
+    save_file(weights, str(out / "policy.safetensors"))
     meta_path = out / "policy.json"
     meta_path.write_text(json.dumps(meta, indent=1))
+    return meta_path
+
+
+def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
+                  check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
+    """Write policy.safetensors + policy.json; verify LearnedK picks SB3's actions on a batch of observations."""
+    layers = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy()) for layer in _linear_layers(model)]
+    normalization = {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
+                     "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs)}
+    meta_path = write_policy(out_dir, layers, normalization, activation, k_max, device, hardware_name,
+                             model.num_timesteps, provenance)
     check_export(model, venv, meta_path, device, check_obs)
     return meta_path
 

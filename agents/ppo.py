@@ -82,6 +82,22 @@ def make_ppo(venv, hp: dict, seed: int, tensorboard_log: str | None):
     )
 
 
+def warm_start(model, venv, layers: list[tuple[np.ndarray, np.ndarray]], norm: dict) -> None:
+    """Copy an MLP's (W, b) layers into the PPO policy network and its input statistics into VecNormalize."""
+    import torch
+
+    policy = model.policy
+    targets = [m for m in policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)] + [policy.action_net]
+    if len(targets) != len(layers) or any(t.weight.shape != tuple(w.shape) for t, (w, _) in zip(targets, layers)):
+        raise SpecPilotError("the warm-start MLP's shape differs from PPO's policy network (net_arch)")
+    with torch.no_grad():
+        for target, (w, b) in zip(targets, layers):
+            target.weight.copy_(torch.as_tensor(w))
+            target.bias.copy_(torch.as_tensor(b))
+    venv.obs_rms.mean = np.asarray(norm["mean"], dtype=np.float64)
+    venv.obs_rms.var = np.asarray(norm["var"], dtype=np.float64)
+
+
 CHECKPOINT_RE = re.compile(r"ppo_(\d+)_steps\.zip$")
 
 
@@ -132,6 +148,7 @@ def train(
     wandb_project: str = "specpilot",
     run_config: dict | None = None,
     progress: bool = True,
+    init: tuple[list, dict] | None = None,
 ):
     """Train (or continue) one PPO model through phases of (name, env_fn, env steps, checkpoint every).
 
@@ -139,6 +156,8 @@ def train(
     pre-train on the replay env (first on one batch size), then fine-tune on the real loop; the observation
     normalisation carries over, learned through the replay phases and frozen for the real one. Checkpoints go to
     out_dir/checkpoints; with `resume` the newest one is loaded and training continues in its phase.
+    `init` = (layers, normalisation) of a warm-start MLP (agents.improve): a fresh model starts from its
+    weights and its observation statistics, which then stay frozen (the weights were fitted to them).
     Returns (model, venv of the last phase).
     """
     from stable_baselines3 import PPO
@@ -170,6 +189,8 @@ def train(
             elif model is None:
                 venv = fresh
                 model = make_ppo(venv, hp, seed, tb_log)
+                if init is not None:
+                    warm_start(model, venv, *init)
             else:  # next phase: same policy and observation statistics, new env
                 fresh.obs_rms = venv.obs_rms
                 venv = fresh
@@ -178,7 +199,7 @@ def train(
             # the real-loop fine-tune: it sees the inputs its pre-trained weights were trained on (and the
             # pinned features stay pinned). A replay warm-up on one batch size has seen no other: the next
             # replay phase goes on learning it (the batch-size feature, pinned until then, comes alive)
-            venv.training = phase == 0 or name.startswith("replay")
+            venv.training = init is None and (phase == 0 or name.startswith("replay"))
             callbacks = [CheckpointCallback(save_freq=int(every), save_path=str(ckpt_dir), name_prefix="ppo",
                                             save_vecnormalize=True), SpecMetricsCallback()]
             if run is not None:

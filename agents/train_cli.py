@@ -8,20 +8,35 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.batch_table import BatchTableK
 from bench.benchmark import format_table, run_benchmark, summarize
+from bench.tune_cli import tune_rules
 from decoding.config import parse_config, parse_ints
 from decoding.errors import SpecPilotError
 from decoding.hardware import resolve_device, shared_monitor, torch_device_of
 from decoding.learned import LearnedK
 from decoding.models import load_draft, load_target
-from decoding.paths import policy_dir, profile_path, traces_path
-from decoding.policies import HeuristicK, NoSpeculation, StaticK
+from decoding.paths import (
+    atomic_write_text,
+    policy_dir,
+    profile_path,
+    relative,
+    traces_path,
+)
+from decoding.policies import (
+    HeuristicK,
+    NoSpeculation,
+    PerBatchK,
+    StaticK,
+    parse_policy,
+)
 from decoding.prompts import load_prompts, per_category
 from env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
-from env.oracle import CostModel, load_draft_traces, load_profile
+from env.oracle import CostModel, load_draft_traces, load_profile, truncate
 from env.replay_env import replay_steps_per_second
 
-from .export import export_policy
+from .export import export_policy, write_policy
+from .improve import improve_policy
 from .ppo import load_hyperparams, train
 
 
@@ -84,23 +99,60 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
     return "both" if profile.exists() and traces.exists() else "real"
 
 
-def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
-                   max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
-                   speed_jitter: float = 1.0):
+def _replay_data(cfg: TrainConfig, device_key: str, draft_name: str, train_ids: set[str], torch_device: str):
+    """(train-split traces, cost model, hardware counters, profile, profile path) for the replay env."""
     profile_file, traces_file = _default_paths(cfg, device_key, draft_name)
     profile = load_profile(profile_file, device_key)
     traces, _ = load_draft_traces(traces_file, draft_name)
     traces = [t for t in traces if t.question_id in train_ids]  # never pre-train on the test split
     if not traces:
         raise SpecPilotError(f"traces {traces_file} hold none of the training prompts")
-    cost = CostModel.from_profile(profile)
     # hardware counters as seen while decoding on this device (recorded with the profile, else live now)
     hardware = profile.get("hardware")
     if hardware is None:
         hardware = shared_monitor(torch_device).read().tolist()
-    return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)),
-                             hardware=np.asarray(hardware, dtype=np.float32), max_new_tokens=max_new_tokens,
-                             reward=reward, batch_sizes=batch_sizes, speed_jitter=speed_jitter)
+    return traces, CostModel.from_profile(profile), np.asarray(hardware, dtype=np.float32), profile, profile_file
+
+
+def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
+                   max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
+                   speed_jitter: float = 1.0):
+    traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
+    return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)), hardware=hardware,
+                             max_new_tokens=max_new_tokens, reward=reward, batch_sizes=batch_sizes,
+                             speed_jitter=speed_jitter)
+
+
+def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
+                batch_sizes: list[int], out: Path):
+    """Rollout policy improvement from the best engine rule tuned on the train split (agents.improve):
+    (layers, normalisation) for PPO to start from, and its history. The rules are tuned first when
+    OUT's rules.json does not exist yet."""
+    traces, cost, hardware, profile, profile_file = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
+    k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
+    traces = [truncate(t, budget) for t in traces]
+    rules_path = out / "rules.json"
+    if rules_path.exists():
+        rules = json.loads(rules_path.read_text())
+    else:
+        print(f"specpilot: tuning the engine rules on the train split first ({rules_path})", file=sys.stderr)
+        rules = tune_rules(traces, profile, draft_name, k_max, hardware, batch_sizes, budget, cfg.progress)
+        rules = {"device": device_key, "draft": draft_name, "split": "train", "traces": len(traces),
+                 "profile": relative(profile_file), "max_new_tokens": budget, "k_max": k_max, **rules}
+        atomic_write_text(rules_path, json.dumps(rules, indent=1) + "\n")
+    base = PerBatchK({int(b): BatchTableK.from_profile(profile, traces, k_max) if spec == "batch-table"
+                      else parse_policy(spec, k_max, draft=draft_name) for b, spec in rules["best_rule"].items()},
+                     "best-rule")
+    episodes = hp["rollout_episodes"]
+    episodes = {int(b): int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes)
+                for b in batch_sizes}
+    print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from the best "
+          f"tuned rule ({', '.join(f'B={b} {s}' for b, s in rules['best_rule'].items())})", file=sys.stderr)
+    layers, norm, history = improve_policy(
+        base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
+        list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=cfg.seed, progress=cfg.progress,
+        log=lambda m: print(f"specpilot: {m}", file=sys.stderr))
+    return (layers, norm), history
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -156,19 +208,41 @@ def train_main(argv: list[str] | None = None) -> int:
         phases.append(("real", env_fn, int(hp["timesteps"]), int(hp["checkpoint_every"])))
     print(f"specpilot: env {mode}: " + ", ".join(f"{n} {s} steps" for n, _, s, _ in phases), file=sys.stderr)
 
+    init, warm_history = None, []
+    if int(hp["rollout_rounds"]) > 0 and mode in ("replay", "both"):
+        warm_path = run_dir / "warm_start.json"
+        if cfg.resume and warm_path.exists():
+            saved = json.loads(warm_path.read_text())
+            init = ([(np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)) for w, b in saved["layers"]],
+                    saved["normalization"])
+            warm_history = saved["history"]
+        else:
+            init, warm_history = _warm_start(cfg, hp, device_key, draft.name, {p.question_id for p in train_prompts},
+                                             torch_device, batch_sizes, out)
+            atomic_write_text(warm_path, json.dumps({"layers": [[w.tolist(), b.tolist()] for w, b in init[0]],
+                                                     "normalization": init[1], "history": warm_history}))
+    phases = [p for p in phases if p[2] > 0]
     run_config = {"device": device_key, "hardware_name": hardware_name, "target": target.name,
                   "draft": draft.name, **{k: v for k, v in asdict(cfg).items() if k not in ("hp",)}}
-    model, venv = train(phases, hp, run_dir, seed=cfg.seed, resume=cfg.resume, track=cfg.track,
-                        wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress)
     provenance = {"target": target.name, "draft": draft.name, "max_new_tokens": int(hp["max_new_tokens"]),
                   "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
                   "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed,
-                  "env": mode, "hyperparams": hp}
-    meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
-                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
-                              activation=str(hp["activation"]))
+                  "env": mode, "hyperparams": hp, "warm_start": warm_history}
+    if phases:
+        model, venv = train(phases, hp, run_dir, seed=cfg.seed, resume=cfg.resume, track=cfg.track,
+                            wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init)
+        meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
+                                  check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
+                                  activation=str(hp["activation"]))
+        how = "checked against SB3's actions"
+    elif init is not None:  # the warm start alone (no PPO steps asked for)
+        meta_path = write_policy(out, init[0], init[1], str(hp["activation"]), k_max, device_key, hardware_name, 0,
+                                 provenance)
+        how = "the rollout-improved policy, no PPO steps"
+    else:
+        raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
     learned = LearnedK.load(meta_path, device=device_key, draft=draft.name)
-    print(f"specpilot: exported {meta_path} (checked against SB3's actions); one decision takes "
+    print(f"specpilot: exported {meta_path} ({how}); one decision takes "
           f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
     if not test_prompts:
         return 0

@@ -57,7 +57,7 @@ class BenchmarkConfig:
     prompts: str | None = None
     """Prompt JSONL file (default: the project's set)."""
     split: str = "test"
-    """Which split of the prompt file: train | test | all."""
+    """Which split of the prompt file: train | test | ood (styles unlike the train split, never tuned on) | all."""
     per_category: int = 0
     """Use at most this many prompts per category (0 = all)."""
     repeats: int = 1
@@ -166,6 +166,18 @@ def _command(argv: list[str] | None) -> str:
     return "python scripts/benchmark.py " + " ".join(sys.argv[1:]) if argv is None else f"benchmark_main({argv!r})"
 
 
+def _range_report(policies: dict) -> dict:
+    """{name: {"calls", "out_of_range"}} of the learned policies that record their trained input range."""
+    return {n: {"calls": p.calls, "out_of_range": p.out_of_range} for n, p in policies.items()
+            if getattr(p, "low", None) is not None and p.calls}
+
+
+def _print_range_report(report: dict) -> None:
+    for name, row in report.items():
+        print(f"{name}: {row['out_of_range']} of {row['calls']} decisions saw a feature outside its trained range "
+              "(clipped into it)")
+
+
 def _policy_sources(policies: dict) -> dict:
     """{name: where the policy came from}: a learned policy's path (relative), a table, or its name."""
     return {n: relative(p.path) if getattr(p, "path", None) else getattr(p, "table", None) or n for n, p in policies.items()}
@@ -187,6 +199,7 @@ def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
                                cfg.chat, cfg.progress)
     summary = summarize_batches(runs, greedy=sampling.greedy)
+    summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
             "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
             "batch_sizes": sizes, "policies": _policy_sources(policies)}
@@ -198,6 +211,7 @@ def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     if cfg.repeats > 1:
         print("speedup over plain within each repeat (paired): geometric mean [approx. 95% interval]")
         print(format_paired_table(summary))
+    _print_range_report(summary["input_range"])
     print(f"results: {path}")
     return 0
 
@@ -225,6 +239,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         if "oracle" in policies and max(sizes) > 1:
             print("oracle: its hindsight schedule is per sequence, so it is shown at B = 1 only")
         (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size}, indent=1))
+        _print_range_report(_range_report(policies))
         return 0
     results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware, max_new_tokens=cfg.max_new_tokens)
     print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}), {cfg.max_new_tokens} tokens, "
@@ -234,6 +249,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
               + (f"{row['fraction_of_oracle']:>8.3f}" if "oracle" in results else ""))
     (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results}, indent=1))
+    _print_range_report(_range_report(policies))
     return 0
 
 
@@ -290,6 +306,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
         return _batch_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv)
     runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)
     summary = summarize(runs, greedy=sampling.greedy)
+    summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
             "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
             "policies": _policy_sources(policies)}
@@ -297,5 +314,6 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) x {cfg.repeats} | "
           f"{cfg.max_new_tokens} new tokens | {meta['hardware']}")
     print(format_table(summary))
+    _print_range_report(summary["input_range"])
     print(f"results: {path}")
     return 0

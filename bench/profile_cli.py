@@ -15,7 +15,7 @@ from decoding.models import ModelDrafter, load_draft, load_target, random_init_t
 from decoding.paths import slug, traces_path
 from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import load_prompts
-from env.oracle import record_trace, save_traces
+from env.oracle import load_traces, record_trace, save_traces
 from env.profile import profile_costs
 
 from .plots import plot_profile
@@ -44,10 +44,15 @@ class ProfileConfig:
     """Repeats per (context length, k); medians are kept."""
     batch_sizes: str = "1,2,4,8,16"
     """Comma-separated batch sizes to profile (at the first context length); empty = none."""
+    costs: bool = True
+    """Measure the cost profile (--no-costs: record traces only)."""
     traces: bool = True
     """Also record greedy acceptance traces on the prompt set (real weights only)."""
     prompts: str | None = None
     """Prompt JSONL for the traces (default: the project's set, all splits)."""
+    trace_split: str = "all"
+    """Which split's prompts to trace: all | train | test | ood. Traces recorded now replace those of the same
+    prompts in an existing traces file of the same draft, budget and k_max; the others are kept."""
     max_new_tokens: int = 64
     """Tokens per traced prompt."""
     dtype: str = "auto"
@@ -74,6 +79,16 @@ def profile_main(argv: list[str] | None = None) -> int:
         draft = ModelDrafter(draft_target.model, draft_target.name, target.vocab_size)
     else:
         draft = load_draft(cfg.draft, target, cfg.dtype)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.costs:
+        _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out)
+    if cfg.traces and not cfg.target_config and not cfg.draft_config:
+        _record_traces(cfg, target, draft, out)
+    return 0
+
+
+def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out: Path) -> None:
     batch_sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes.strip() else []
     bar = tqdm(total=(len(lens) + len(batch_sizes)) * cfg.repeats * (cfg.k_max + 1), desc="profile",
                disable=not cfg.progress, file=sys.stderr)
@@ -82,8 +97,6 @@ def profile_main(argv: list[str] | None = None) -> int:
     profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
                     "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json
     stem = device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config else f"{device_key}-{slug(draft.name)}"
     path = out / f"{stem}.json"
@@ -96,15 +109,25 @@ def profile_main(argv: list[str] | None = None) -> int:
     for b, row, d in zip(profile.get("batch_sizes", []), profile.get("batch_verify_s", []), profile.get("batch_draft_s_per_token", [])):
         print(f"  batch {b:>3} (context {profile['batch_context_len']}): verify ms for k=0..{cfg.k_max}: "
               + " ".join(f"{1000 * s:.1f}" for s in row) + f" | draft ms/position {1000 * d:.2f}")
-    if cfg.traces and not cfg.target_config and not cfg.draft_config:
-        prompts = load_prompts(cfg.prompts, "all")
-        traces = [record_trace(target, draft, target.encode(p.text, chat=True), cfg.max_new_tokens, cfg.k_max,
-                               p.question_id, p.category)
-                  for p in tqdm(prompts, desc="traces", disable=not cfg.progress, file=sys.stderr)]
-        trace_path = out / traces_path(draft.name).name
-        save_traces(traces, trace_path, {"target": target.name, "draft": draft.name, "k_max": cfg.k_max,
-                                         "max_new_tokens": cfg.max_new_tokens,
-                                         "splits": {p.question_id: p.split for p in prompts}})
-        rate = sum(min(m, cfg.k_max) for t in traces for m in t.matches) / max(1, sum(t.available[i] for t in traces for i in range(len(t.matches))))
-        print(f"traces of {len(traces)} prompts: {trace_path} (mean matched share of available drafts {rate:.3f})")
-    return 0
+
+
+def _record_traces(cfg, target, draft, out: Path) -> None:
+    prompts = load_prompts(cfg.prompts, cfg.trace_split)
+    trace_path = out / traces_path(draft.name).name
+    meta = {"target": target.name, "draft": draft.name, "k_max": cfg.k_max, "max_new_tokens": cfg.max_new_tokens,
+            "splits": {}}
+    kept = []
+    if trace_path.exists():
+        old, old_meta = load_traces(trace_path)
+        if all(old_meta.get(key) == meta[key] for key in ("draft", "k_max", "max_new_tokens")):
+            wanted = {p.question_id for p in prompts}
+            kept = [t for t in old if t.question_id not in wanted]
+            meta["splits"] = {q: s for q, s in (old_meta.get("splits") or {}).items() if q not in wanted}
+    traces = [record_trace(target, draft, target.encode(p.text, chat=True), cfg.max_new_tokens, cfg.k_max,
+                           p.question_id, p.category)
+              for p in tqdm(prompts, desc="traces", disable=not cfg.progress, file=sys.stderr)]
+    meta["splits"].update({p.question_id: p.split for p in prompts})
+    save_traces(kept + traces, trace_path, meta)
+    rate = sum(min(m, cfg.k_max) for t in traces for m in t.matches) / max(1, sum(t.available[i] for t in traces for i in range(len(t.matches))))
+    print(f"traces of {len(traces)} prompts ({len(kept)} kept from before): {trace_path} "
+          f"(mean matched share of available drafts {rate:.3f})")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,13 @@ from tqdm import tqdm
 
 from decoding.config import parse_config, parse_ints
 from decoding.errors import SpecPilotError
-from decoding.paths import policy_dir, profile_path, relative, traces_path
+from decoding.paths import (
+    atomic_write_text,
+    policy_dir,
+    profile_path,
+    relative,
+    traces_path,
+)
 from decoding.policies import DEFAULT_K_MAX, LengthPolicy, parse_policy
 from env.oracle import (
     CostModel,
@@ -94,6 +99,19 @@ def tune(policies: dict[str, LengthPolicy], families: dict[str, list[str]], trac
     return {"speedups": speedups, "best": best, "best_rule": overall}
 
 
+def tune_rules(traces, profile: dict, draft: str, k_max: int, hardware, sizes: list[int], max_new_tokens: int,
+               progress: bool = True) -> dict:
+    """Every family's grid (see `grid`) on these traces with this profile's cost model: see `tune`."""
+    families = grid(k_max, draft.startswith("ngram"))
+    policies: dict[str, LengthPolicy] = {"none": parse_policy("none")}
+    for names in families.values():
+        for name in names:
+            policies[name] = (BatchTableK.from_profile(profile, traces, k_max) if name == "batch-table"
+                              else parse_policy(name, k_max, draft=draft))
+    return tune(policies, families, traces, CostModel.from_profile(profile), k_max, hardware, sizes, max_new_tokens,
+                progress)
+
+
 def tune_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TuneConfig, argv)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
@@ -101,26 +119,17 @@ def tune_main(argv: list[str] | None = None) -> int:
     profile = load_profile(source)
     traces, meta = load_draft_traces(cfg.traces or traces_path(cfg.draft), cfg.draft, cfg.max_new_tokens)
     traces = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
-    cost = CostModel.from_profile(profile)
     if max(sizes) > 1 and not profile.get("batch_sizes"):
         raise SpecPilotError(f"the cost profile {source} has no batch sizes; rerun scripts/profile_device.py")
-    families = grid(cfg.k_max, cfg.draft.startswith("ngram"))
-    policies: dict[str, LengthPolicy] = {"none": parse_policy("none")}
-    for names in families.values():
-        for name in names:
-            policies[name] = (BatchTableK.from_profile(profile, traces, cfg.k_max) if name == "batch-table"
-                              else parse_policy(name, cfg.k_max, draft=cfg.draft))
-    result = tune(policies, families, traces, cost, cfg.k_max, profile_hardware(profile), sizes, cfg.max_new_tokens,
-                  cfg.progress)
+    result = tune_rules(traces, profile, cfg.draft, cfg.k_max, profile_hardware(profile), sizes, cfg.max_new_tokens,
+                        cfg.progress)
     out = Path(cfg.out) if cfg.out else policy_dir(cfg.device, cfg.draft) / "rules.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": cfg.device, "draft": cfg.draft, "split": "train", "traces": len(traces),
            "profile": relative(source), "max_new_tokens": cfg.max_new_tokens, "k_max": cfg.k_max,
            "note": "per batch size, each engine rule's best spelling on the train-split replay (noise-free); "
                    "best_rule: the best of them", **result}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
     print(f"tuned on {len(traces)} train-split traces, {cfg.max_new_tokens} tokens, cost profile {relative(source)}; "
           "replay speedup over plain of each family's best, per batch size:")
     print(f"{'family':<16}" + "".join(f"{'B=' + str(b):>34}" for b in sizes))

@@ -64,6 +64,14 @@ class LearnedK(LengthPolicy):
         self.pinned = [f for f, s in zip(FEATURES, still) if s]
         self.inv_std[still] = 0.0
         self.clip = float(norm["clip"])
+        # the range each feature took in training (optional): inputs are clipped into it, so that an unseen
+        # context length or prompt style reads as the nearest trained one, and the calls with an input
+        # outside it are counted (`out_of_range`, `calls`)
+        self.low = np.asarray(norm["low"], dtype=np.float64) if "low" in norm else None
+        self.high = np.asarray(norm["high"], dtype=np.float64) if "high" in norm else None
+        if self.low is not None:
+            self.low[still], self.high[still] = -np.inf, np.inf
+        self.calls = self.out_of_range = 0
         self.act = _ACTIVATIONS[meta["activation"]]
         self.layers = [(weights[f"{name}.weight"].astype(np.float64), weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
 
@@ -134,7 +142,10 @@ class LearnedK(LengthPolicy):
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Action logits for one observation (or a batch, shape (n, features))."""
-        x = np.clip((np.asarray(obs, dtype=np.float64) - self.mean) * self.inv_std, -self.clip, self.clip)
+        x = np.asarray(obs, dtype=np.float64)
+        if self.low is not None:
+            x = np.clip(x, self.low, self.high)
+        x = np.clip((x - self.mean) * self.inv_std, -self.clip, self.clip)
         last = len(self.layers) - 1
         for i, (w, b) in enumerate(self.layers):
             x = x @ w.T + b
@@ -143,6 +154,9 @@ class LearnedK(LengthPolicy):
         return x
 
     def choose_k(self, obs: np.ndarray) -> int:
+        self.calls += 1
+        if self.low is not None and ((obs < self.low) | (obs > self.high)).any():
+            self.out_of_range += 1
         return self.action_to_k[int(np.argmax(self.logits(obs)))]
 
     def decision_seconds(self, calls: int = 2000) -> float:

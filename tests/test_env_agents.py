@@ -266,6 +266,36 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     # the batch-size feature was held still through the one-row warm-up and learned in the phase after it
     assert "batch_size_log" not in meta["normalization"]["pinned"]
 
+    # the warm start: rollout policy improvement from the best rule (tuned first, on the train split only)
+    warm = tmp_path / "warm"
+    args = train_args(tiny_model_dirs, warm, 32, "--no-track", "--prompts", str(prompts), "--env", "replay",
+                      "--batch-sizes", "1,2", "--hp", "replay_timesteps=0", "--hp", "rollout_rounds=1",
+                      "--hp", "rollout_episodes=2", "--hp", "rollout_epochs=5")
+    assert train_main(args) == 0
+    folder = policy_dir(warm)
+    meta = json.loads((folder / "policy.json").read_text())
+    rules = json.loads((folder / "rules.json").read_text())
+    assert meta["training_steps"] == 0 and meta["warm_start"][0]["states"] > 0
+    assert rules["split"] == "train" and rules["traces"] == 4 and set(rules["best_rule"]) == {"1", "2"}
+    assert "low" in meta["normalization"] and LearnedK.load(folder, device="cpu").low is not None
+    # then PPO from the warm-started weights (its observation statistics frozen: they are the fit's)
+    args = train_args(tiny_model_dirs, warm, 32, "--no-track", "--prompts", str(prompts), "--env", "replay",
+                      "--batch-sizes", "1,2", "--hp", "replay_timesteps=64", "--hp", "rollout_rounds=1",
+                      "--hp", "rollout_episodes=2", "--hp", "rollout_epochs=5")
+    assert train_main(args) == 0
+    tuned = json.loads((folder / "policy.json").read_text())
+    assert tuned["training_steps"] == 64 and tuned["normalization"]["mean"] == meta["normalization"]["mean"]
+
+    # traces of one split again: recorded anew for those prompts, the others kept
+    traces = tmp_path / "profiles" / written[0].name.replace("cpu-", "traces-")
+    before = json.loads(traces.read_text())
+    assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
+                         "--k-max", "4", "--prompts", str(prompts), "--max-new-tokens", "12", "--no-costs",
+                         "--trace-split", "test", "--no-progress"]) == 0
+    after = json.loads(traces.read_text())
+    assert sorted(t["question_id"] for t in after["traces"]) == sorted(t["question_id"] for t in before["traces"])
+    assert after["meta"]["splits"] == before["meta"]["splits"] and json.loads(written[0].read_text()) == profile
+
 
 def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, capsys):
     """Every kind of policy, the oracle included, on tiny models: table, JSON, plot, report."""

@@ -1,0 +1,173 @@
+"""Rollout policy improvement on the replay env: the warm start that PPO then fine-tunes.
+
+Approximate policy iteration (Bertsekas' rollout; Lagoudakis & Parr's classification-based API). From
+every state a base policy visits in the noise-free replay env, each k = 0..k_max is tried once and the
+base policy finishes the episode from there: Q(s, k) = the seconds the batch still needs. The improved
+policy takes argmin_k Q(s, k), which is at least as fast as the base policy from every state (one step
+of policy improvement, exact on the traces because the replay is deterministic). An MLP over the
+observation learns it by minimising its expected regret, sum_k softmax(z)_k * (Q(s, k) - min_k Q(s, k))
+in plain steps of the batch, so that states where the choice matters weigh more than states where any
+k will do. The fitted policy becomes the next base policy (`rounds`).
+
+The base policy of the first round is the best engine rule tuned on the train split
+(`scripts/tune_rules.py`), so the learned policy starts from the rule it must beat, not from scratch.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from decoding.learned import LearnedK, pinned_mask
+from decoding.policies import LengthPolicy
+from decoding.prompts import batches_of
+from env.oracle import CostModel, Trace
+from env.replay_env import ReplayEnv
+
+
+@dataclass
+class Dataset:
+    obs: np.ndarray
+    """(n, features) observations of the visited states."""
+    regret: np.ndarray
+    """(n, k_max + 1): Q(s, k) - min_k Q(s, k), in plain steps of the episode's batch."""
+    batch: np.ndarray
+    """(n,) the batch size of each state's episode."""
+
+
+def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, k: int, memo: dict) -> float:
+    """Seconds to finish the episode from `env`'s state: one step with k, then `policy` (copies; the
+    originals are untouched)."""
+    env, policy = copy.deepcopy(env, dict(memo)), copy.deepcopy(policy)
+    _, _, done, _, info = env.step(k)
+    policy.update(env.last_step)
+    seconds = info["seconds"]
+    while not done:
+        _, _, done, _, info = env.step(policy.choose_k(env.observer.build(env.state)))
+        policy.update(env.last_step)
+        seconds += info["seconds"]
+    return seconds
+
+
+def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
+            episodes: dict[int, int], max_new_tokens: int, seed: int = 0, progress: bool = True,
+            follow: LengthPolicy | None = None) -> Dataset:
+    """Q-regret labels (rollouts of `base`) on the states that `follow` visits (None: the improved policy,
+    argmin Q): for each batch size b, `episodes[b]` episodes (one row: every trace once, in order, when
+    episodes >= the traces)."""
+    rng = np.random.default_rng(seed)
+    obs, regret, batch = [], [], []
+    plan = []
+    for b in batch_sizes:
+        n = episodes.get(b, 0)
+        if b == 1 and n >= len(traces):
+            plan += [(1, [i]) for i in range(len(traces))]
+        elif n:
+            groups = batches_of(len(traces), b)
+            plan += [(b, [int(i) for i in rng.permutation(len(traces))[:b]]) if j >= len(groups) else (b, groups[j])
+                     for j in range(n)]
+    bar = tqdm(total=len(plan), desc="rollout labels", disable=not progress, file=sys.stderr)
+    for b, indices in plan:
+        env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[b],
+                        max_new_tokens=max_new_tokens)
+        memo = {id(t): t for t in traces} | {id(traces): traces, id(cost): cost}
+        o, _ = env.reset(options={"trace_indices": indices})
+        base.reset()
+        if follow is not None:
+            follow.reset()
+        done = False
+        while not done:
+            q = np.array([_rollout_seconds(env, base, k, memo) for k in range(k_max + 1)])
+            obs.append(o)
+            regret.append((q - q.min()) / env.credit.unit)
+            batch.append(b)
+            k = int(np.argmin(q)) if follow is None else follow.choose_k(o)
+            o, _, done, _, _ = env.step(k)
+            base.update(env.last_step)
+            if follow is not None and follow is not base:
+                follow.update(env.last_step)
+        bar.update()
+    bar.close()
+    return Dataset(np.asarray(obs, dtype=np.float32), np.asarray(regret, dtype=np.float32), np.asarray(batch))
+
+
+def merge(*sets: Dataset) -> Dataset:
+    return Dataset(*(np.concatenate([getattr(s, f) for s in sets]) for f in ("obs", "regret", "batch")))
+
+
+def fit(data: Dataset, hidden: list[int], activation: str = "tanh", epochs: int = 300, lr: float = 3e-3,
+        seed: int = 0, batch_weights: dict[int, float] | None = None) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict]:
+    """An MLP minimising the expected regret of its softmax policy; returns its layers as (W, b) arrays and
+    the normalisation LearnedK applies (features that hardly varied are pinned, as in PPO training)."""
+    torch.manual_seed(seed)
+    mean = data.obs.astype(np.float64).mean(axis=0)
+    var = data.obs.astype(np.float64).var(axis=0)
+    norm = {"mean": mean.tolist(), "var": var.tolist(), "epsilon": 1e-8, "clip": 10.0,
+            "low": data.obs.min(axis=0).astype(np.float64).tolist(), "high": data.obs.max(axis=0).astype(np.float64).tolist()}
+    inv_std = np.where(pinned_mask(var), 0.0, 1.0 / np.sqrt(var + 1e-8))  # the rule LearnedK applies
+    x = torch.tensor(np.clip((data.obs - mean) * inv_std, -10.0, 10.0), dtype=torch.float32)
+    r = torch.tensor(data.regret, dtype=torch.float32)
+    w = torch.tensor([(batch_weights or {}).get(int(b), 1.0) for b in data.batch], dtype=torch.float32)
+    act = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[activation]
+    sizes = [x.shape[1], *hidden, r.shape[1]]
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    net = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs):
+        for idx in torch.randperm(len(x), generator=generator).split(512):
+            probs = torch.softmax(net(x[idx]), dim=-1)
+            loss = ((probs * r[idx]).sum(-1) * w[idx]).sum() / w[idx].sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    linear = [m for m in net if isinstance(m, torch.nn.Linear)]
+    return [(m.weight.detach().numpy().astype(np.float32), m.bias.detach().numpy().astype(np.float32)) for m in linear], norm
+
+
+def as_policy(layers, norm: dict, activation: str, k_max: int, meta: dict | None = None) -> LearnedK:
+    """The fitted MLP as a LearnedK (in memory), to score or to serve as the next round's base policy."""
+    names = [f"layer{i}" for i in range(len(layers))]
+    weights = {}
+    for name, (w, b) in zip(names, layers):
+        weights[f"{name}.weight"], weights[f"{name}.bias"] = w, b
+    full = {"normalization": norm, "activation": activation, "layers": names, "action_to_k": list(range(k_max + 1)),
+            "k_max": k_max, **(meta or {})}
+    return LearnedK(full, weights)
+
+
+def mean_regret(policy: LengthPolicy, data: Dataset) -> float:
+    """The regret, in plain steps, of the policy's choices on the labelled states (0 = the improved policy)."""
+    chosen = np.argmax(policy.logits(data.obs.astype(np.float64)), axis=-1)
+    return float(data.regret[np.arange(len(chosen)), chosen].mean())
+
+
+def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
+                   episodes: dict[int, int], max_new_tokens: int, rounds: int, hidden: list[int], activation: str,
+                   epochs: int = 200, seed: int = 0, progress: bool = True, log=None):
+    """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
+    under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
+    (DAgger: the datasets are pooled) and refits. Returns (layers, normalisation, per-round history)."""
+    data, policy, history, layers, norm = None, base, [], None, None
+    for r in range(rounds):
+        new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
+                      progress=progress, follow=None if r == 0 else policy)
+        data = new if data is None else merge(data, new)
+        layers, norm = fit(data, hidden, activation, epochs, seed=seed + r)
+        fitted = as_policy(layers, norm, activation, k_max)
+        row = {"round": r + 1, "states": int(len(data.obs)), "base_regret": float(new.regret.mean()),
+               "fitted_regret": mean_regret(fitted, data)}
+        history.append(row)
+        if log:
+            log(f"rollout round {row['round']}: {row['states']} labelled states, regret of the base policy "
+                f"{row['base_regret']:.3f} plain steps per step, of the fitted one {row['fitted_regret']:.3f}")
+        policy = fitted
+    return layers, norm, history
