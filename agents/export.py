@@ -6,8 +6,12 @@ import platform
 import time
 from pathlib import Path
 
+import gymnasium
 import numpy as np
+import stable_baselines3
 import torch
+import transformers
+from safetensors.numpy import save_file
 
 from decoding.errors import SpecPilotError
 from decoding.learned import FORMAT_VERSION, LearnedK, pinned_mask
@@ -21,10 +25,6 @@ def _linear_layers(model) -> list[torch.nn.Linear]:
 
 
 def _versions() -> dict:
-    import gymnasium
-    import stable_baselines3
-    import transformers
-
     return {"torch": torch.__version__, "transformers": transformers.__version__, "stable_baselines3": stable_baselines3.__version__,
             "gymnasium": gymnasium.__version__, "numpy": np.__version__, "python": platform.python_version()}
 
@@ -32,8 +32,6 @@ def _versions() -> dict:
 def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]], normalization: dict, activation: str,
                  k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict) -> Path:
     """Write policy.safetensors + policy.json (the format `LearnedK` reads) for an MLP given as (W, b) layers."""
-    from safetensors.numpy import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [f"layer{i}" for i in range(len(layers))]

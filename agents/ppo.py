@@ -6,9 +6,16 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 import yaml
-from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.vec_env import VecNormalize
+from stable_baselines3 import PPO
+from stable_baselines3.common.callbacks import (
+    BaseCallback,
+    CallbackList,
+    CheckpointCallback,
+)
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from decoding.errors import SpecPilotError
 from decoding.learned import pinned_mask
@@ -62,18 +69,12 @@ def load_vecnormalize(path: str | Path, venv) -> PinnedVecNormalize:
 
 
 def make_vec_env(env_fn, seed: int):
-    from stable_baselines3.common.monitor import Monitor
-    from stable_baselines3.common.vec_env import DummyVecEnv
-
     venv = DummyVecEnv([lambda: Monitor(env_fn())])
     venv.seed(seed)
     return PinnedVecNormalize(venv, norm_obs=True, norm_reward=False, clip_obs=10.0, gamma=1.0)
 
 
 def make_ppo(venv, hp: dict, seed: int, tensorboard_log: str | None):
-    import torch
-    from stable_baselines3 import PPO
-
     activation = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[hp["activation"]]
     return PPO(
         "MlpPolicy", venv, seed=seed, verbose=0, tensorboard_log=tensorboard_log, device="cpu",
@@ -84,8 +85,6 @@ def make_ppo(venv, hp: dict, seed: int, tensorboard_log: str | None):
 
 def warm_start(model, venv, layers: list[tuple[np.ndarray, np.ndarray]], norm: dict) -> None:
     """Copy an MLP's (W, b) layers into the PPO policy network and its input statistics into VecNormalize."""
-    import torch
-
     policy = model.policy
     targets = [m for m in policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)] + [policy.action_net]
     if len(targets) != len(layers) or any(t.weight.shape != tuple(w.shape) for t, (w, _) in zip(targets, layers)):
@@ -160,9 +159,6 @@ def train(
     weights and its observation statistics, which then stay frozen (the weights were fitted to them).
     Returns (model, venv of the last phase).
     """
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
-
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -203,6 +199,7 @@ def train(
             callbacks = [CheckpointCallback(save_freq=int(every), save_path=str(ckpt_dir), name_prefix="ppo",
                                             save_vecnormalize=True), SpecMetricsCallback()]
             if run is not None:
+                # slow to import: only when tracking
                 from wandb.integration.sb3 import WandbCallback
 
                 callbacks.append(WandbCallback(verbose=0))

@@ -9,17 +9,14 @@ The table sees only the batch size: not the text, the context or the counters.
 """
 from __future__ import annotations
 
-import math
+from collections import Counter
 
 import numpy as np
 
 from decoding.errors import SpecPilotError
-from decoding.observation import FEATURES
-from decoding.policies import LengthPolicy
+from decoding.policies import LengthPolicy, at_or_below, batch_of
 from env.oracle import CostModel, Trace
 from env.replay_env import ReplayEnv
-
-BATCH_FEATURE = FEATURES.index("batch_size_log")
 
 
 def expected_tokens(traces: list[Trace], k_max: int) -> np.ndarray:
@@ -48,14 +45,10 @@ class BatchTableK(LengthPolicy):
         self.k_max = k_max
 
     def k_for(self, batch: int) -> int:
-        k = next(iter(self.table.values()))
-        for size, value in self.table.items():
-            if size <= batch:
-                k = value
-        return k
+        return at_or_below(self.table, batch)
 
     def choose_k(self, obs) -> int:
-        return self.k_for(int(round(math.exp(float(obs[BATCH_FEATURE])))))
+        return self.k_for(batch_of(obs))
 
     @classmethod
     def from_profile(cls, profile: dict, traces: list[Trace], k_max: int) -> "BatchTableK":
@@ -87,8 +80,6 @@ def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, 
     env (the observation builder of training and inference) on `episodes` batches of recorded traces
     at each batch size 1..max_batch and keep its mean k, rounded; `max_new_tokens` is the rows' budget
     (a learned policy's training budget: its remaining-token features mean that). Returns ({b: k}, {b: {k: steps}})."""
-    from collections import Counter
-
 
     env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=list(range(1, max_batch + 1)),
                     max_new_tokens=max_new_tokens)

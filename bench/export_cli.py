@@ -33,14 +33,14 @@ class ExportVllmConfig:
     """Device whose cost profile and policy are used: auto | cpu | a100 | h100 | ... (a device key)."""
     draft: str = "default"
     """The draft the table is for (names the traces file profiles/traces-DRAFT.json)."""
-    profile: str | None = None
-    """Cost profile (default: profiles/DEVICE.json; must include batch sizes)."""
-    traces: str | None = None
-    """Acceptance traces (default: profiles/traces-DRAFT.json); the train split gives the observations."""
     max_batch: int = 16
     """Largest batch size in the table (the last range ends here)."""
     episodes: int = 8
     """Replayed batches per batch size on which the policy is queried."""
+    profile: str | None = None
+    """Cost profile (default: profiles/DEVICE.json; must include batch sizes)."""
+    traces: str | None = None
+    """Acceptance traces (default: profiles/traces-DRAFT.json); the train split gives the observations."""
     k_max: int = DEFAULT_K_MAX
     """Largest k."""
     allow_device_mismatch: bool = False

@@ -4,9 +4,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # slow to import: only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -36,8 +38,6 @@ def plot_profile(profile: dict, path: str | Path) -> None:
 
 def plot_benchmark(summary: dict, runs, path: str | Path) -> None:
     """Left: speedup over plain per category per policy. Right: histogram of the k each policy chose."""
-    import numpy as np
-
     plt = _pyplot()
     policies = [p for p in summary["policies"] if p != "none"]
     colors = plt.get_cmap("tab20").colors

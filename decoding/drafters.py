@@ -7,6 +7,7 @@ last-layer hidden states of the newly confirmed positions in `propose(..., targe
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -74,8 +75,6 @@ def cache_kwarg(model) -> str:
     """The forward() keyword for the KV cache: `cache` in transformers >= 5.2x, `past_key_values` before."""
     name = getattr(model, "_specpilot_cache_kwarg", None)
     if name is None:
-        import inspect
-
         name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         model._specpilot_cache_kwarg = name
     return name
@@ -172,6 +171,7 @@ class ModelDrafter:
     needs_hidden = False
 
     def __init__(self, model, name: str, vocab_size: int):
+        # transformers loads in seconds: only when a model runs
         from transformers import DynamicCache
 
         self.model = model.eval()

@@ -38,7 +38,7 @@ KNOWN_GPUS = ("h200", "h100", "h20", "gh200", "b200", "a100", "a10g", "a10", "l4
 
 def _nvml():
     try:
-        import pynvml
+        import pynvml  # optional at run time: no NVIDIA driver on a CPU machine
 
         pynvml.nvmlInit()
         return pynvml
@@ -98,7 +98,7 @@ def resolve_device(requested: str) -> tuple[str, str]:
 
 class _CpuBackend:
     def __init__(self) -> None:
-        import psutil
+        import psutil  # only the CPU backend needs it
 
         self.psutil = psutil
         psutil.cpu_percent(interval=None)

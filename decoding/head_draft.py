@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .drafters import Draft, empty_draft, entropy_of
@@ -109,8 +111,6 @@ def sub_head_weight(model, vocab_ids: torch.Tensor) -> torch.Tensor:
 
 
 def save_head(head: DraftHead, folder: str | Path) -> Path:
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().float().contiguous().cpu() for name, t in head.state_dict().items()}
@@ -121,9 +121,6 @@ def save_head(head: DraftHead, folder: str | Path) -> Path:
 
 def load_head(folder: str | Path) -> DraftHead:
     """A head from its folder; clear errors for a missing or corrupt file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():

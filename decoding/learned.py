@@ -7,9 +7,11 @@ logits of a small MLP on the normalised observation: a few microseconds on a CPU
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file
 
 from .errors import SpecPilotError
 from .hardware import resolve_device
@@ -120,8 +122,6 @@ class LearnedK(LengthPolicy):
             )
         weights_path = path.with_suffix(".safetensors")
         try:
-            from safetensors.numpy import load_file
-
             weights = load_file(str(weights_path))
             policy = cls(meta, weights, str(path))
         except FileNotFoundError:
@@ -142,27 +142,37 @@ class LearnedK(LengthPolicy):
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Action logits for one observation (or a batch, shape (n, features))."""
-        x = np.asarray(obs, dtype=np.float64)
+        return self._forward(self._inputs(np.asarray(obs, dtype=np.float64)))
+
+    def _inputs(self, x: np.ndarray) -> np.ndarray:
+        """Clipped into the trained range, normalised, clipped to +-clip standard deviations."""
         if self.low is not None:
-            x = np.clip(x, self.low, self.high)
-        x = np.clip((x - self.mean) * self.inv_std, -self.clip, self.clip)
+            x = np.minimum(np.maximum(x, self.low), self.high)
+        z = (x - self.mean) * self.inv_std
+        return np.minimum(np.maximum(z, -self.clip, out=z), self.clip, out=z)
+
+    def _forward(self, z: np.ndarray) -> np.ndarray:
         last = len(self.layers) - 1
         for i, (w, b) in enumerate(self.layers):
-            x = x @ w.T + b
+            z = z @ w.T + b
             if i < last:
-                x = self.act(x)
-        return x
+                z = self.act(z)
+        return z
 
     def choose_k(self, obs: np.ndarray) -> int:
+        x = np.asarray(obs, dtype=np.float64)
         self.calls += 1
-        if self.low is not None and ((obs < self.low) | (obs > self.high)).any():
-            self.out_of_range += 1
-        return self.action_to_k[int(np.argmax(self.logits(obs)))]
+        if self.low is not None:
+            clipped = np.minimum(np.maximum(x, self.low), self.high)
+            if (clipped != x).any():
+                self.out_of_range += 1
+            x = clipped
+        z = (x - self.mean) * self.inv_std
+        np.minimum(np.maximum(z, -self.clip, out=z), self.clip, out=z)
+        return self.action_to_k[int(np.argmax(self._forward(z)))]
 
     def decision_seconds(self, calls: int = 2000) -> float:
         """Mean seconds of one choose_k on a typical (training-mean) observation."""
-        import time
-
         obs = self.mean.astype(np.float32)
         self.choose_k(obs)
         t0 = time.perf_counter()

@@ -204,6 +204,7 @@ def start(
 
     `prompt_ids`: one prompt (a list of ids or a 1-D tensor) or a batch (a list of such lists).
     """
+    # transformers loads in seconds: only when a model runs
     from transformers import DynamicCache
 
     prompts, batched = _as_rows(prompt_ids)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from platformdirs import user_cache_dir
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter  # noqa: F401 (re-exported)
 from .errors import SpecPilotError
@@ -79,8 +80,6 @@ def cache_dir() -> Path:
     env = os.environ.get("SPECPILOT_CACHE")
     if env:
         return Path(env).expanduser()
-    from platformdirs import user_cache_dir
-
     return Path(user_cache_dir("specpilot"))
 
 
@@ -122,6 +121,7 @@ def embedded_target_dir() -> Path:
 
 
 def _load_pretrained(location: str, gguf_file: str | None, dtype: torch.dtype, device: str):
+    # transformers loads in seconds: imported when a model is loaded, so that --help stays fast
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -238,7 +238,7 @@ def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter
 def random_init_target(config_spec: str, dtype: str = "auto", device: str = "auto") -> Target:
     """A randomly initialised model of a given shape (config.json path or hub config id), for cost
     profiling only: a forward pass costs the same whatever the weights' values."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # see _load_pretrained
 
     device = resolve_torch_device(device)
     try:

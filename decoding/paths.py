@@ -5,7 +5,9 @@ exported files record them as they are written here, never a machine's absolute 
 """
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from pathlib import Path
 
 PROFILES = Path("profiles")
@@ -48,9 +50,6 @@ def relative(path: str | Path) -> str:
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to `path` through a temporary file beside it and one rename: a reader (or a kill)
     sees the old file or the new one, never half of one."""
-    import os
-    import tempfile
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -104,7 +104,16 @@ class MatchLengthK(LengthPolicy):
         return self.k if obs[self._index] >= self.min_match else 0
 
 
-def _batch_of(obs) -> int:
+def at_or_below(table: dict, batch: int):
+    """The value of the largest key <= batch in a table sorted by batch size (the first one's below all keys)."""
+    chosen = next(iter(table.values()))
+    for size, value in table.items():
+        if size <= batch:
+            chosen = value
+    return chosen
+
+
+def batch_of(obs) -> int:
     """The batch size an observation describes (its `batch_size_log` feature)."""
     return max(1, int(round(math.exp(float(obs[_BATCH])))))
 
@@ -148,7 +157,7 @@ class SGLangAdaptiveK(LengthPolicy):
         return self.buckets.setdefault(batch, [len(self.candidates) - 1, None, 0])
 
     def choose_k(self, obs) -> int:
-        return min(self.k_max, self.candidates[self._bucket(_batch_of(obs))[0]])
+        return min(self.k_max, self.candidates[self._bucket(batch_of(obs))[0]])
 
     def update(self, step) -> None:
         if step.k <= 0:
@@ -198,7 +207,7 @@ class TrtllmK(LengthPolicy):
         return next((k for b, k in self.schedule.items() if batch <= b), 0)
 
     def choose_k(self, obs) -> int:
-        return 0 if self.off else self.k_for(_batch_of(obs))
+        return 0 if self.off else self.k_for(batch_of(obs))
 
     def update(self, step) -> None:
         if not self.window or step.k <= 0:
@@ -223,18 +232,14 @@ class PerBatchK(LengthPolicy):
         self.stop_below = None
 
     def policy_for(self, batch: int) -> LengthPolicy:
-        chosen = next(iter(self.policies.values()))
-        for size, policy in self.policies.items():
-            if size <= batch:
-                chosen = policy
-        return chosen
+        return at_or_below(self.policies, batch)
 
     def reset(self) -> None:
         for policy in self.policies.values():
             policy.reset()
 
     def choose_k(self, obs) -> int:
-        return self.policy_for(_batch_of(obs)).choose_k(obs)
+        return self.policy_for(batch_of(obs)).choose_k(obs)
 
     def update(self, step) -> None:
         for policy in self.policies.values():

@@ -9,7 +9,7 @@ def start_tracking(track: bool, project: str, run_dir: Path, config: dict, resum
     """A W&B run: online with WANDB_API_KEY, offline otherwise (sync later with `wandb sync`); None when off."""
     if not track:
         return None
-    import wandb
+    import wandb  # takes seconds to import: only when tracking is on
 
     mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     return wandb.init(project=project, dir=str(run_dir), config=config, sync_tensorboard=True, mode=mode,

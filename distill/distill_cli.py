@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
+import sysconfig
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from decoding.config import parse_config
 from decoding.errors import SpecPilotError
@@ -129,8 +132,6 @@ def _read_jsonl(path: Path) -> list[dict]:
 def generate_answers(target, prompts: list[Prompt], path: Path, max_new_tokens: int, batch: int,
                      max_prompt_tokens: int, progress: bool = True) -> list[dict]:
     """The target's greedy answers, appended to `path` batch by batch (prompts already there are skipped)."""
-    from tqdm import tqdm
-
     rows = _read_jsonl(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop a torn last line
     done = {r["id"] for r in rows}
@@ -178,8 +179,6 @@ def extract_features(target, rows: list[dict], folder: Path, shard_size: int = 6
     """Per position from the last-but-one prompt token on: the target's final hidden state `hidden`,
     the token `tokens` and the target's greedy prediction `labels` (of the next token); sequences are
     concatenated, `starts` marks where each begins. Shards are written as they finish (resumable)."""
-    from tqdm import tqdm
-
     folder.mkdir(parents=True, exist_ok=True)
     model = target.model
     shards = []
@@ -219,9 +218,6 @@ def extract_features(target, rows: list[dict], folder: Path, shard_size: int = 6
 def corpus_rows(target, n_tokens: int, seed: int, chunk: int = 256) -> list[dict]:
     """`n_tokens` of Python's standard-library source in `chunk`-token pieces (files in a seeded
     order; test suites and IDLE skipped), as rows with an empty prompt."""
-    import random
-    import sysconfig
-
     if n_tokens <= 0:
         return []
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -308,8 +304,6 @@ def _lr(step: int, total: int, peak: float, warmup: int = 100) -> float:
 
 
 def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], work: Path, run=None) -> tuple[DraftHead, dict]:
-    from tqdm import tqdm
-
     device = target.device
     torch.manual_seed(cfg.seed)
     model = target.model

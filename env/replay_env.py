@@ -14,6 +14,7 @@ read as absolute (the reward, in plain steps, is unchanged by it).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -188,8 +189,6 @@ class ReplayEnv(gym.Env):
 
 def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -> float:
     """Env steps per second of the replay env under random actions (what PPO pre-training gets)."""
-    import time
-
     rng = np.random.default_rng(seed)
     actions = rng.integers(0, env.action_space.n, size=steps)
     env.reset(seed=seed)

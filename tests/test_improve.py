@@ -68,3 +68,22 @@ class _constant:
         out = np.zeros((len(obs), K + 1))
         out[:, self.k] = 1.0
         return out
+
+
+def test_learned_policy_clips_inputs_into_its_trained_range_and_counts_them():
+    data_traces, c = traces(4), cost()
+    data = collect(StaticK(1), data_traces, c, K, None, [1], {1: 4}, 36, progress=False)
+    layers, norm = fit(data, [16], epochs=20)
+    policy = as_policy(layers, norm, "tanh", K)
+    assert norm["low"] == pytest.approx(data.obs.min(0).tolist()) and norm["high"] == pytest.approx(data.obs.max(0).tolist())
+    inside = data.obs[0].astype(np.float64)
+    policy.choose_k(inside)
+    assert (policy.calls, policy.out_of_range) == (1, 0)
+    context = FEATURES.index("context_len_log")
+    far = inside.copy()
+    far[context] = norm["high"][context] + 5.0  # a context far longer than any trained on
+    edge = inside.copy()
+    edge[context] = norm["high"][context]
+    assert policy.choose_k(far) == policy.choose_k(edge)
+    assert np.allclose(policy.logits(far), policy.logits(edge))
+    assert (policy.calls, policy.out_of_range) == (3, 1)
