@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from safetensors.numpy import save_file
 from decoding.errors import SpecPilotError
 from decoding.learned import FORMAT_VERSION, LearnedK, pinned_mask
 from decoding.observation import FEATURES
+from decoding.paths import atomic_write_text
 
 
 def _linear_layers(model) -> list[torch.nn.Linear]:
@@ -56,10 +59,20 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **provenance,
     }
+    keep_previous(out)
     save_file(weights, str(out / "policy.safetensors"))
     meta_path = out / "policy.json"
-    meta_path.write_text(json.dumps(meta, indent=1))
+    atomic_write_text(meta_path, json.dumps(meta, indent=1))
     return meta_path
+
+
+def keep_previous(out: Path) -> None:
+    """A policy already in `out` is kept as policy.prev.{json,safetensors} (restore: rename them back)."""
+    if (out / "policy.json").exists() and (out / "policy.safetensors").exists():
+        for suffix in ("safetensors", "json"):
+            shutil.copyfile(out / f"policy.{suffix}", out / f"policy.prev.{suffix}")
+        print(f"specpilot: the previous policy in {out} is kept as policy.prev.json / policy.prev.safetensors",
+              file=sys.stderr)
 
 
 def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,

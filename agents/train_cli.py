@@ -206,10 +206,12 @@ def train_main(argv: list[str] | None = None) -> int:
               "(random actions, this process)", file=sys.stderr)
     if mode in ("real", "both"):
         phases.append(("real", env_fn, int(hp["timesteps"]), int(hp["checkpoint_every"])))
-    print(f"specpilot: env {mode}: " + ", ".join(f"{n} {s} steps" for n, _, s, _ in phases), file=sys.stderr)
+    warm = int(hp["rollout_rounds"]) if mode in ("replay", "both") else 0
+    print(f"specpilot: env {mode}: " + (f"warm start ({warm} round(s) of rollout improvement), " if warm else "")
+          + ", ".join(f"{n} {s} steps" for n, _, s, _ in phases if s > 0 or not warm), file=sys.stderr)
 
     init, warm_history = None, []
-    if int(hp["rollout_rounds"]) > 0 and mode in ("replay", "both"):
+    if warm:
         warm_path = run_dir / "warm_start.json"
         if cfg.resume and warm_path.exists():
             saved = json.loads(warm_path.read_text())

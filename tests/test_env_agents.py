@@ -285,6 +285,7 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert train_main(args) == 0
     tuned = json.loads((folder / "policy.json").read_text())
     assert tuned["training_steps"] == 64 and tuned["normalization"]["mean"] == meta["normalization"]["mean"]
+    assert json.loads((folder / "policy.prev.json").read_text()) == meta  # the policy it replaced, kept
 
     # traces of one split again: recorded anew for those prompts, the others kept
     traces = tmp_path / "profiles" / written[0].name.replace("cpu-", "traces-")
