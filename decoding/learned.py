@@ -162,14 +162,9 @@ class LearnedK(LengthPolicy):
     def choose_k(self, obs: np.ndarray) -> int:
         x = np.asarray(obs, dtype=np.float64)
         self.calls += 1
-        if self.low is not None:
-            clipped = np.minimum(np.maximum(x, self.low), self.high)
-            if (clipped != x).any():
-                self.out_of_range += 1
-            x = clipped
-        z = (x - self.mean) * self.inv_std
-        np.minimum(np.maximum(z, -self.clip, out=z), self.clip, out=z)
-        return self.action_to_k[int(np.argmax(self._forward(z)))]
+        if self.low is not None and ((x < self.low) | (x > self.high)).any():
+            self.out_of_range += 1
+        return self.action_to_k[int(np.argmax(self._forward(self._inputs(x))))]
 
     def decision_seconds(self, calls: int = 2000) -> float:
         """Mean seconds of one choose_k on a typical (training-mean) observation."""

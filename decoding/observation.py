@@ -142,12 +142,8 @@ class ObservationBuilder:
 
 def repetition_rate(tokens) -> float:
     """Share of the window's tokens that repeat an earlier token of the window (0 = all distinct)."""
-    window = _host(tokens)
+    window = tokens.cpu().numpy() if hasattr(tokens, "cpu") else np.asarray(tokens)
     if window.size < 2:
         return 0.0
     return 1.0 - np.unique(window).size / window.size
-
-
-def _host(tokens) -> np.ndarray:
-    return tokens.cpu().numpy() if hasattr(tokens, "cpu") else np.asarray(tokens)
 

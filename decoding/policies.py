@@ -193,7 +193,7 @@ class TrtllmK(LengthPolicy):
                                  f"got {self.schedule}, {window}, {threshold}")
         self.window, self.threshold = int(window), float(threshold)
         self.k_max = max(self.schedule.values(), default=k_max)
-        sched = "/".join(f"{b}={k}" if b < 10**9 else str(k) for b, k in self.schedule.items()) or str(k_max)
+        sched = "/".join(f"{b}={k}" for b, k in self.schedule.items()) or str(k_max)
         self.name = f"trtllm:{sched}" + (f":{self.window}:{self.threshold:g}" if self.window else "")
         self.reset()
 
@@ -216,7 +216,6 @@ class TrtllmK(LengthPolicy):
         if len(self.history) == self.window:
             rate = sum(a for a, _ in self.history) / sum(k for _, k in self.history)
             self.off = self.off or rate < self.threshold
-
 
 
 class PerBatchK(LengthPolicy):
@@ -284,14 +283,16 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
             return SGLangAdaptiveK(candidates, float(parts[1]) if len(parts) > 1 else 0.2, k_max=k_max)
         if name == "trtllm":
             parts = arg.split(":") if arg else []
-            schedule = {}
-            for entry in parts[0].split("/") if parts and parts[0] else []:
-                b, eq, k = entry.partition("=")
-                schedule[int(b) if eq else 10**9] = int(k if eq else b)
             if len(parts) not in (0, 1, 3):
                 raise ValueError
             window, threshold = (int(parts[1]), float(parts[2])) if len(parts) == 3 else (0, 0.0)
-            return TrtllmK(schedule, window, threshold, k_max)
+            entries = [e.partition("=") for e in parts[0].split("/")] if parts and parts[0] else []
+            if len(entries) == 1 and not entries[0][1]:  # trtllm:K: no schedule, K at every batch size
+                k = int(entries[0][0])
+                if not 0 <= k <= k_max:
+                    raise SpecPilotError(f"k={k} is outside [0, k_max={k_max}]")
+                return TrtllmK(None, window, threshold, k)
+            return TrtllmK({int(b): int(k) for b, _, k in entries}, window, threshold, k_max)
         if name == "learned":
             from .learned import LearnedK  # noqa: I001 (learned.py builds on this module: LengthPolicy)
 
