@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.batch_table import BatchTableK
 from bench.benchmark import format_table, run_benchmark, summarize
-from bench.tune_cli import tune_rules
+from bench.tune_cli import rules_policy, tune_rules
 from decoding.config import parse_config, parse_ints
 from decoding.errors import SpecPilotError
 from decoding.hardware import resolve_device, shared_monitor, torch_device_of
@@ -26,9 +25,7 @@ from decoding.paths import (
 from decoding.policies import (
     HeuristicK,
     NoSpeculation,
-    PerBatchK,
     StaticK,
-    parse_policy,
 )
 from decoding.prompts import load_prompts, per_category
 from env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
@@ -123,11 +120,10 @@ def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: in
                              speed_jitter=speed_jitter)
 
 
-def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
-                batch_sizes: list[int], out: Path):
-    """Rollout policy improvement from the best engine rule tuned on the train split (agents.improve):
-    (layers, normalisation) for PPO to start from, and its history. The rules are tuned first when
-    OUT's rules.json does not exist yet."""
+def _best_rule(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
+               batch_sizes: list[int], out: Path):
+    """(best-rule policy, train traces, cost model, hardware counters): the best engine rule per batch size
+    as tuned on the train split (OUT/rules.json; tuned first when it does not exist yet)."""
     traces, cost, hardware, profile, profile_file = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
     k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
     traces = [truncate(t, budget) for t in traces]
@@ -140,14 +136,20 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
         rules = {"device": device_key, "draft": draft_name, "split": "train", "traces": len(traces),
                  "profile": relative(profile_file), "max_new_tokens": budget, "k_max": k_max, **rules}
         atomic_write_text(rules_path, json.dumps(rules, indent=1) + "\n")
-    base = PerBatchK({int(b): BatchTableK.from_profile(profile, traces, k_max) if spec == "batch-table"
-                      else parse_policy(spec, k_max, draft=draft_name) for b, spec in rules["best_rule"].items()},
-                     "best-rule")
+    return rules_policy(rules["best_rule"], profile, traces, k_max, draft_name), traces, cost, hardware
+
+
+def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
+                batch_sizes: list[int], out: Path):
+    """Rollout policy improvement from the best engine rule tuned on the train split (agents.improve):
+    (layers, normalisation) for PPO to start from, and its history."""
+    base, traces, cost, hardware = _best_rule(cfg, hp, device_key, draft_name, train_ids, torch_device, batch_sizes, out)
+    k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
     episodes = hp["rollout_episodes"]
     episodes = {int(b): int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes)
                 for b in batch_sizes}
     print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from the best "
-          f"tuned rule ({', '.join(f'B={b} {s}' for b, s in rules['best_rule'].items())})", file=sys.stderr)
+          f"tuned rule ({', '.join(f'B={b} {s}' for b, s in base.table.items())})", file=sys.stderr)
     layers, norm, history = improve_policy(
         base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
         list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=cfg.seed, progress=cfg.progress,
@@ -207,8 +209,9 @@ def train_main(argv: list[str] | None = None) -> int:
     if mode in ("real", "both"):
         phases.append(("real", env_fn, int(hp["timesteps"]), int(hp["checkpoint_every"])))
     warm = int(hp["rollout_rounds"]) if mode in ("replay", "both") else 0
-    print(f"specpilot: env {mode}: " + (f"warm start ({warm} round(s) of rollout improvement), " if warm else "")
-          + ", ".join(f"{n} {s} steps" for n, _, s, _ in phases if s > 0 or not warm), file=sys.stderr)
+    plan = ([f"warm start ({warm} round(s) of rollout improvement)"] if warm else []) + [
+        f"{n} {s} steps" for n, _, s, _ in phases if s > 0 or not warm]
+    print(f"specpilot: env {mode}: " + ", ".join(plan), file=sys.stderr)
 
     init, warm_history = None, []
     if warm:
@@ -252,6 +255,9 @@ def train_main(argv: list[str] | None = None) -> int:
     statics = sorted({k for k in (1, 2, 3, 4, 6, k_max) if k <= k_max})
     policies = {"none": NoSpeculation(), **{f"static:{k}": StaticK(k) for k in statics},
                 "heuristic": HeuristicK(k_max), "learned": learned}
+    if mode in ("replay", "both"):  # the rule the learned policy has to beat
+        policies["best-rule"] = _best_rule(cfg, hp, device_key, draft.name, {p.question_id for p in train_prompts},
+                                           torch_device, batch_sizes, out)[0]
     runs = run_benchmark(target, draft, policies, held_out, cfg.eval_max_new_tokens, 1, progress=cfg.progress)
     summary = summarize(runs)
     table = summary["table"]
@@ -260,7 +266,9 @@ def train_main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     print(f"learned vs best static ({best_static}): {row['tokens_per_s'] / best['tokens_per_s']:.3f}x tokens/s; "
           f"vs heuristic: {row['tokens_per_s'] / table['heuristic']['overall']['tokens_per_s']:.3f}x; "
-          f"vs plain: {row['speedup']:.3f}x")
+          f"vs plain: {row['speedup']:.3f}x"
+          + (f"; vs best-rule: {row['tokens_per_s'] / table['best-rule']['overall']['tokens_per_s']:.3f}x"
+             if "best-rule" in table else ""))
     (run_dir / "eval.json").write_text(json.dumps({"summary": summary, "best_static": best_static,
                                                    "prompts": [p.question_id for p in held_out]}, indent=1))
     return 0

@@ -41,6 +41,7 @@ from .benchmark import (
 from .plots import plot_batch_benchmark, plot_benchmark
 from .replay_check import format_check, replay_check
 from .report import write_report
+from .tune_cli import rules_policy
 
 
 @dataclass
@@ -152,13 +153,8 @@ def _tuned_rule(cfg, name: str, device_key: str, draft, sampling) -> PerBatchK:
     by_batch = rules["best_rule"] if name == "best-rule" else rules["best"].get(family)
     if by_batch is None:
         raise SpecPilotError(f"rules {path} have no family '{family}'; tuned: {', '.join(rules['best'])}")
-    made = {}
-    for b, spec in by_batch.items():
-        made[int(b)] = (_batch_table(cfg, device_key, draft, sampling) if spec == "batch-table"
-                        else parse_policy(spec, cfg.k_max, draft=draft.name))
-    policy = PerBatchK(made, name)
-    policy.table = {int(b): spec for b, spec in by_batch.items()}
-    return policy
+    traces, meta, profile = _traces_and_profile(cfg, device_key, draft, sampling)
+    return rules_policy(by_batch, profile, train_traces(traces, meta), cfg.k_max, draft.name, name)
 
 
 def _command(argv: list[str] | None) -> str:

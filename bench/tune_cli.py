@@ -21,7 +21,7 @@ from decoding.paths import (
     relative,
     traces_path,
 )
-from decoding.policies import DEFAULT_K_MAX, LengthPolicy, parse_policy
+from decoding.policies import DEFAULT_K_MAX, LengthPolicy, PerBatchK, parse_policy
 from env.oracle import (
     CostModel,
     load_draft_traces,
@@ -110,6 +110,16 @@ def tune_rules(traces, profile: dict, draft: str, k_max: int, hardware, sizes: l
                               else parse_policy(name, k_max, draft=draft))
     return tune(policies, families, traces, CostModel.from_profile(profile), k_max, hardware, sizes, max_new_tokens,
                 progress)
+
+
+def rules_policy(by_batch: dict, profile: dict, traces, k_max: int, draft: str, name: str = "best-rule") -> PerBatchK:
+    """A tuned rule as a policy: {batch size: spelling} (a rules.json entry) -> PerBatchK; `batch-table`
+    is built from the profile and these (train-split) traces."""
+    made = {int(b): BatchTableK.from_profile(profile, traces, k_max) if spec == "batch-table"
+            else parse_policy(spec, k_max, draft=draft) for b, spec in by_batch.items()}
+    policy = PerBatchK(made, name)
+    policy.table = {int(b): spec for b, spec in by_batch.items()}
+    return policy
 
 
 def tune_main(argv: list[str] | None = None) -> int:
