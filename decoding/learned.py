@@ -74,8 +74,16 @@ class LearnedK(LengthPolicy):
         if self.low is not None:
             self.low[still], self.high[still] = -np.inf, np.inf
         self.calls = self.out_of_range = 0
+        # one clip of the raw input does both: into the trained range and within +-clip standard deviations
+        with np.errstate(divide="ignore"):
+            bound = np.where(still, np.inf, self.clip / self.inv_std)
+        self._lo, self._hi = self.mean - bound, self.mean + bound
+        if self.low is not None:
+            self._lo, self._hi = np.maximum(self._lo, self.low), np.minimum(self._hi, self.high)
         self.act = _ACTIVATIONS[meta["activation"]]
-        self.layers = [(weights[f"{name}.weight"].astype(np.float64), weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
+        # weights stored transposed (inputs @ W.T), contiguous: one matmul per layer per decision
+        self.layers = [(np.ascontiguousarray(weights[f"{name}.weight"].astype(np.float64).T),
+                        weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
 
     @classmethod
     def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None,
@@ -133,38 +141,35 @@ class LearnedK(LengthPolicy):
 
     def _check_shapes(self) -> None:
         width = len(FEATURES)
-        for i, (w, b) in enumerate(self.layers):
-            if w.ndim != 2 or w.shape[1] != width or b.shape != (w.shape[0],):
-                raise SpecPilotError(f"policy {self.path}: layer {i} has shape {w.shape}, expected (*, {width})")
-            width = w.shape[0]
+        for i, (wt, b) in enumerate(self.layers):
+            if wt.ndim != 2 or wt.shape[0] != width or b.shape != (wt.shape[1],):
+                raise SpecPilotError(f"policy {self.path}: layer {i} has shape {wt.T.shape}, expected (*, {width})")
+            width = wt.shape[1]
         if width != len(self.action_to_k):
             raise SpecPilotError(f"policy {self.path}: {width} outputs but {len(self.action_to_k)} actions")
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Action logits for one observation (or a batch, shape (n, features))."""
-        return self._forward(self._inputs(np.asarray(obs, dtype=np.float64)))
-
-    def _inputs(self, x: np.ndarray) -> np.ndarray:
-        """Clipped into the trained range, normalised, clipped to +-clip standard deviations."""
-        if self.low is not None:
-            x = np.minimum(np.maximum(x, self.low), self.high)
-        z = (x - self.mean) * self.inv_std
-        return np.minimum(np.maximum(z, -self.clip, out=z), self.clip, out=z)
+        x = np.minimum(np.maximum(np.asarray(obs, dtype=np.float64), self._lo), self._hi)
+        return self._forward((x - self.mean) * self.inv_std)
 
     def _forward(self, z: np.ndarray) -> np.ndarray:
         last = len(self.layers) - 1
-        for i, (w, b) in enumerate(self.layers):
-            z = z @ w.T + b
+        for i, (wt, b) in enumerate(self.layers):
+            z = z @ wt + b
             if i < last:
                 z = self.act(z)
         return z
 
     def choose_k(self, obs: np.ndarray) -> int:
+        """The k for one observation; with a recorded training range, counts the calls whose input had to be
+        clipped into it (or beyond `clip` standard deviations)."""
         x = np.asarray(obs, dtype=np.float64)
+        clipped = np.minimum(np.maximum(x, self._lo), self._hi)
         self.calls += 1
-        if self.low is not None and ((x < self.low) | (x > self.high)).any():
+        if self.low is not None and (clipped != x).any():
             self.out_of_range += 1
-        return self.action_to_k[int(np.argmax(self._forward(self._inputs(x))))]
+        return self.action_to_k[int(np.argmax(self._forward((clipped - self.mean) * self.inv_std)))]
 
     def decision_seconds(self, calls: int = 2000) -> float:
         """Mean seconds of one choose_k on a typical (training-mean) observation."""
