@@ -1,19 +1,23 @@
 """Export an SB3 PPO policy to the lightweight format `decoding.learned.LearnedK` reads."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import gymnasium
 import numpy as np
 import stable_baselines3
 import torch
 import transformers
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from decoding.errors import SpecPilotError
 from decoding.learned import FORMAT_VERSION, LearnedK, pinned_mask
@@ -33,8 +37,14 @@ def _versions() -> dict:
 
 
 def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]], normalization: dict, activation: str,
-                 k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict) -> Path:
-    """Write policy.safetensors + policy.json (the format `LearnedK` reads) for an MLP given as (W, b) layers."""
+                 k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict,
+                 check: Callable[[Path], object] | None = None) -> Path:
+    """Write policy.json + its weights (the format `LearnedK` reads) for an MLP given as (W, b) layers.
+
+    Atomic and checked: both files are written to a temporary folder beside `out_dir`, `check(meta_path)`
+    runs there, the weights move in under a name of their own (policy-<sha>.safetensors, named in the
+    JSON) and one rename of policy.json commits the policy. A failed check or a kill at any point leaves
+    the previous policy loadable; the one replaced is kept as policy.prev.json (+ its weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [f"layer{i}" for i in range(len(layers))]
@@ -42,8 +52,11 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
     for name, (w, b) in zip(names, layers):
         weights[f"{name}.weight"] = np.asarray(w, dtype=np.float32)
         weights[f"{name}.bias"] = np.asarray(b, dtype=np.float32)
+    blob = save(weights)
+    weights_name = f"policy-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
     meta = {
         "format_version": FORMAT_VERSION,
+        "weights": weights_name,
         "features": list(FEATURES),
         # `pinned` is for reading: the features held at their training mean (std < MIN_FEATURE_STD); LearnedK
         # derives them from `var`, as agents.ppo.PinnedVecNormalize does in training
@@ -59,32 +72,68 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **provenance,
     }
-    keep_previous(out)
-    save_file(weights, str(out / "policy.safetensors"))
-    meta_path = out / "policy.json"
-    atomic_write_text(meta_path, json.dumps(meta, indent=1))
-    return meta_path
+    for stale in out.glob(".export-*"):  # left by an export that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        (staging / weights_name).write_bytes(blob)
+        (staging / "policy.json").write_text(json.dumps(meta, indent=1))
+        if check is not None:
+            check(staging / "policy.json")
+        os.replace(staging / weights_name, out / weights_name)  # a new name: the live policy is untouched
+        keep_previous(out)
+        os.replace(staging / "policy.json", out / "policy.json")  # the commit
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _drop_unreferenced_weights(out)
+    return out / "policy.json"
+
+
+def _referenced_weights(meta_path: Path) -> str | None:
+    try:
+        return json.loads(meta_path.read_text()).get("weights", meta_path.with_suffix(".safetensors").name)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _drop_unreferenced_weights(out: Path) -> None:
+    """Weights files that neither policy.json nor policy.prev.json name (left by an interrupted export)."""
+    keep = {_referenced_weights(out / name) for name in ("policy.json", "policy.prev.json")}
+    for path in out.glob("policy-*.safetensors"):
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
 
 
 def keep_previous(out: Path) -> None:
-    """A policy already in `out` is kept as policy.prev.{json,safetensors} (restore: rename them back)."""
-    if (out / "policy.json").exists() and (out / "policy.safetensors").exists():
-        for suffix in ("safetensors", "json"):
-            shutil.copyfile(out / f"policy.{suffix}", out / f"policy.prev.{suffix}")
-        print(f"specpilot: the previous policy in {out} is kept as policy.prev.json / policy.prev.safetensors",
-              file=sys.stderr)
+    """A policy already in `out` is kept as policy.prev.json (restore: `mv policy.prev.json policy.json`).
+
+    Its weights stay where they are (named in its JSON); a policy of the older layout (weights in
+    policy.safetensors) is copied to policy.prev.safetensors, where its JSON finds them."""
+    current = out / "policy.json"
+    if not current.exists():
+        return
+    meta_text = current.read_text()
+    try:
+        legacy = "weights" not in json.loads(meta_text)
+    except ValueError:
+        return  # not a policy: nothing worth keeping
+    if legacy and (out / "policy.safetensors").exists():
+        tmp = out / ".policy.prev.safetensors.tmp"
+        shutil.copyfile(out / "policy.safetensors", tmp)
+        os.replace(tmp, out / "policy.prev.safetensors")
+    atomic_write_text(out / "policy.prev.json", meta_text)
+    print(f"specpilot: the previous policy in {out} is kept as policy.prev.json "
+          f"(restore: mv {out / 'policy.prev.json'} {out / 'policy.json'})", file=sys.stderr)
 
 
 def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
                   check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
-    """Write policy.safetensors + policy.json; verify LearnedK picks SB3's actions on a batch of observations."""
+    """Write the policy; it is committed only once LearnedK picks SB3's actions on a batch of observations."""
     layers = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy()) for layer in _linear_layers(model)]
     normalization = {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
                      "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs)}
-    meta_path = write_policy(out_dir, layers, normalization, activation, k_max, device, hardware_name,
-                             model.num_timesteps, provenance)
-    check_export(model, venv, meta_path, device, check_obs)
-    return meta_path
+    return write_policy(out_dir, layers, normalization, activation, k_max, device, hardware_name, model.num_timesteps,
+                        provenance, check=lambda meta_path: check_export(model, venv, meta_path, device, check_obs))
 
 
 def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | None = None, n: int = 512) -> float:

@@ -1,7 +1,9 @@
 """PPO per device (stable-baselines3): hyperparameters, tracking, checkpoints, resume."""
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -9,11 +11,7 @@ import numpy as np
 import torch
 import yaml
 from stable_baselines3 import PPO
-from stable_baselines3.common.callbacks import (
-    BaseCallback,
-    CallbackList,
-    CheckpointCallback,
-)
+from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
@@ -97,18 +95,91 @@ def warm_start(model, venv, layers: list[tuple[np.ndarray, np.ndarray]], norm: d
     venv.obs_rms.var = np.asarray(norm["var"], dtype=np.float64)
 
 
+def split_budget(total: int, weights: list[float]) -> list[int]:
+    """`total` env steps split in proportion to `weights` (all to the last phase when they sum to 0);
+    the parts add up to `total` exactly."""
+    if total < 0:
+        raise SpecPilotError(f"a step budget is >= 0, got {total}")
+    weights = [max(0.0, float(w)) for w in weights]
+    if not weights:
+        return []
+    if sum(weights) == 0:
+        weights = [0.0] * (len(weights) - 1) + [1.0]
+    parts = [int(total * w / sum(weights)) for w in weights]
+    last = max(i for i, w in enumerate(weights) if w > 0)
+    parts[last] += total - sum(parts)
+    return parts
+
+
+def fit_rollouts(steps: list[int], n_steps: int, batch_size: int) -> tuple[int, int, list[int]]:
+    """(n_steps, batch_size, steps per phase) such that PPO runs no more than asked.
+
+    SB3 collects whole rollouts of `n_steps`, so a phase of `s` steps runs ceil(s / n_steps) * n_steps.
+    `n_steps` is lowered to the smallest non-empty phase, each phase is cut to whole rollouts (at most
+    n_steps - 1 fewer than asked, never more), and `batch_size` becomes a divisor of `n_steps`."""
+    asked = [s for s in steps if s > 0]
+    if not asked:
+        return n_steps, batch_size, list(steps)
+    n_steps = max(2, min(n_steps, min(asked)))  # PPO's advantage normalisation needs 2 samples
+    batch_size = max(d for d in range(1, min(batch_size, n_steps) + 1) if n_steps % d == 0)
+    return n_steps, batch_size, [s // n_steps * n_steps for s in steps]
+
+
 CHECKPOINT_RE = re.compile(r"ppo_(\d+)_steps\.zip$")
 
 
-def latest_checkpoint(folder: str | Path) -> tuple[Path, Path, int] | None:
-    """(model zip, VecNormalize pickle, steps) of the newest complete checkpoint, if any."""
-    best = None
+def checkpoints(folder: str | Path) -> list[tuple[Path, Path, int]]:
+    """(model zip, VecNormalize pickle, steps) of every checkpoint with both files, newest first."""
+    found = []
     for path in Path(folder).glob("ppo_*_steps.zip"):
         match = CHECKPOINT_RE.search(path.name)
         stats = path.with_name(f"ppo_vecnormalize_{match.group(1)}_steps.pkl") if match else None
-        if match and stats.exists() and (best is None or int(match.group(1)) > best[2]):
-            best = (path, stats, int(match.group(1)))
-    return best
+        if match and stats.exists():
+            found.append((path, stats, int(match.group(1))))
+    return sorted(found, key=lambda c: -c[2])
+
+
+def latest_checkpoint(folder: str | Path) -> tuple[Path, Path, int] | None:
+    """(model zip, VecNormalize pickle, steps) of the newest checkpoint with both files, if any."""
+    found = checkpoints(folder)
+    return found[0] if found else None
+
+
+def load_checkpoint(folder: str | Path, env_fn, seed: int, log=print):
+    """(model, venv, steps) of the newest checkpoint that loads; a torn one (a kill while it was written,
+    before checkpoints were atomic) is skipped with a message. None when none loads."""
+    for model_path, stats_path, steps in checkpoints(folder):
+        try:
+            venv = load_vecnormalize(stats_path, make_vec_env(env_fn, seed).venv)
+            model = PPO.load(str(model_path), env=venv, device="cpu")
+        except Exception as exc:  # a truncated zip or pickle raises whatever its reader raises
+            log(f"specpilot: checkpoint {model_path.name} does not load ({type(exc).__name__}); trying an older one")
+            continue
+        log(f"specpilot: resuming from {model_path.name} ({steps:,} steps)")
+        return model, venv, steps
+    return None
+
+
+class AtomicCheckpoint(BaseCallback):
+    """Every `every` steps: the VecNormalize statistics, then the model, each written to a temporary file
+    and renamed into place, so a kill leaves the previous checkpoints whole and at most one interval lost."""
+
+    def __init__(self, every: int, folder: str | Path):
+        super().__init__()
+        self.every, self.folder = int(every), Path(folder)
+
+    def _on_step(self) -> bool:
+        if self.every > 0 and self.n_calls % self.every == 0:
+            steps = self.num_timesteps
+            stats = self.folder / f"ppo_vecnormalize_{steps}_steps.pkl"
+            vecnorm = self.model.get_vec_normalize_env()
+            if vecnorm is not None:
+                vecnorm.save(str(stats) + ".tmp")
+                os.replace(str(stats) + ".tmp", stats)
+            tmp = self.folder / f".ppo_{steps}_steps.tmp.zip"
+            self.model.save(str(tmp))
+            os.replace(tmp, self.folder / f"ppo_{steps}_steps.zip")
+        return True
 
 
 class SpecMetricsCallback(BaseCallback):
@@ -159,12 +230,16 @@ def train(
     weights and its observation statistics, which then stay frozen (the weights were fitted to them).
     Returns (model, venv of the last phase).
     """
+    n_steps, batch_size, fitted = fit_rollouts([p[2] for p in phases], int(hp["n_steps"]), int(hp["batch_size"]))
+    hp = {**hp, "n_steps": n_steps, "batch_size": batch_size}  # whole rollouts: no phase runs more than asked
+    phases = [(name, fn, s, max(n_steps, int(every) // n_steps * n_steps))  # checkpoints at rollout ends
+              for (name, fn, _, every), s in zip(phases, fitted)]
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    found = latest_checkpoint(ckpt_dir) if resume else None
-    if resume and found is None:
+    if resume and not checkpoints(ckpt_dir):
         raise SpecPilotError(f"--resume: no checkpoint in {ckpt_dir}")
+    found = None
     run_id_file = out_dir / "wandb_run_id"
     resume_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else None
     run = start_tracking(track, wandb_project, out_dir, {**(run_config or {}), **hp}, resume_id)
@@ -172,6 +247,10 @@ def train(
         run_id_file.write_text(run.id)
     tb_log = str(out_dir / "tensorboard")
     model, venv, done = None, None, 0
+    if resume:  # the newest checkpoint that loads (its env is replaced by its phase's below)
+        found = load_checkpoint(ckpt_dir, phases[0][1], seed, log=lambda m: print(m, file=sys.stderr))
+        if found is None:
+            raise SpecPilotError(f"--resume: no checkpoint in {ckpt_dir} loads")
     try:
         for phase, (name, env_fn, steps, every) in enumerate(phases):
             end = done + steps
@@ -180,8 +259,11 @@ def train(
                 continue
             fresh = make_vec_env(env_fn, seed)
             if model is None and found:
-                venv = load_vecnormalize(found[1], fresh.venv)
-                model = PPO.load(str(found[0]), env=venv, device="cpu", tensorboard_log=tb_log)
+                model, venv = found[0], found[1]
+                model.tensorboard_log = tb_log
+                fresh.obs_rms = venv.obs_rms
+                venv = fresh
+                model.set_env(venv)
             elif model is None:
                 venv = fresh
                 model = make_ppo(venv, hp, seed, tb_log)
@@ -196,8 +278,7 @@ def train(
             # pinned features stay pinned). A replay warm-up on one batch size has seen no other: the next
             # replay phase goes on learning it (the batch-size feature, pinned until then, comes alive)
             venv.training = init is None and (phase == 0 or name.startswith("replay"))
-            callbacks = [CheckpointCallback(save_freq=int(every), save_path=str(ckpt_dir), name_prefix="ppo",
-                                            save_vecnormalize=True), SpecMetricsCallback()]
+            callbacks = [AtomicCheckpoint(every, ckpt_dir), SpecMetricsCallback()]
             if run is not None:
                 # slow to import: only when tracking
                 from wandb.integration.sb3 import WandbCallback
@@ -211,9 +292,8 @@ def train(
     finally:
         if run is not None:
             run.finish()
-    if model is None:  # resumed after the last phase had finished: load its final checkpoint
-        venv = load_vecnormalize(found[1], make_vec_env(phases[-1][1], seed).venv)
-        model = PPO.load(str(found[0]), env=venv, device="cpu")
+    if model is None:  # resumed after the last phase had finished: its final checkpoint
+        model, venv = found[0], found[1]
     model.save(str(out_dir / "final_model.zip"))
     venv.save(str(out_dir / "final_vecnormalize.pkl"))
     return model, venv

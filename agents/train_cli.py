@@ -10,7 +10,7 @@ import numpy as np
 
 from bench.benchmark import format_table, run_benchmark, summarize
 from bench.tune_cli import rules_policy, tune_rules
-from decoding.config import parse_config, parse_ints
+from decoding.config import parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.hardware import resolve_device, shared_monitor, torch_device_of
 from decoding.learned import LearnedK
@@ -19,6 +19,7 @@ from decoding.paths import (
     atomic_write_text,
     policy_dir,
     profile_path,
+    read_json_file,
     relative,
     traces_path,
 )
@@ -34,7 +35,7 @@ from env.replay_env import replay_steps_per_second
 
 from .export import export_policy, write_policy
 from .improve import improve_policy
-from .ppo import load_hyperparams, train
+from .ppo import fit_rollouts, load_hyperparams, split_budget, train
 
 
 @dataclass
@@ -44,7 +45,13 @@ class TrainConfig:
     device: str = "auto"
     """Device to train for: auto | cpu | a100 | h100 | h200 | l4 | ... (must be present on this machine)."""
     timesteps: int = 0
-    """Env steps of training (0 = the device's value in agents/hyperparams.yaml)."""
+    """Total PPO env steps of the run, split over its phases (replay warm-up, replay, real loop) in the
+    proportions of agents/hyperparams.yaml (all to the last phase where the YAML gives none); 0 = the
+    YAML's own steps. The run prints its plan first and never runs more than asked."""
+    replay_timesteps: int = -1
+    """Steps of the replay phase, taken out of --timesteps (-1 = its share of it, or the YAML's)."""
+    warmup_timesteps: int = -1
+    """Steps of the replay warm-up phase, taken out of --timesteps (-1 = its share, or the YAML's)."""
     target: str = "embedded"
     """Target model: 'embedded' (SmolLM2-135M-Instruct, offline), a hub id, a folder or a .gguf file."""
     draft: str = "ngram"
@@ -129,7 +136,7 @@ def _best_rule(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tra
     traces = [truncate(t, budget) for t in traces]
     rules_path = out / "rules.json"
     if rules_path.exists():
-        rules = json.loads(rules_path.read_text())
+        rules = read_json_file(rules_path, "tuned rules", keys=("best_rule",))
     else:
         print(f"specpilot: tuning the engine rules on the train split first ({rules_path})", file=sys.stderr)
         rules = tune_rules(traces, profile, draft_name, k_max, hardware, batch_sizes, budget, cfg.progress)
@@ -157,12 +164,40 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
     return (layers, norm), history
 
 
+def plan_steps(cfg: TrainConfig, hp: dict, mode: str) -> dict[str, int]:
+    """{phase: PPO env steps} for this run's phases, before rounding to whole rollouts (agents.ppo.fit_rollouts).
+
+    The YAML gives each phase's steps; --timesteps replaces them by a total split in their proportions,
+    after the phases set explicitly (--warmup-timesteps, --replay-timesteps) are taken out of it."""
+    replay = mode in ("replay", "both")
+    yaml_steps = {"replay-warmup": int(hp.get("replay_warmup_timesteps") or 0) if replay else 0,
+                  "replay": int(hp["replay_timesteps"]) if replay else 0,
+                  "real": int(hp["timesteps"]) if mode in ("real", "both") else 0}
+    explicit = {"replay-warmup": cfg.warmup_timesteps, "replay": cfg.replay_timesteps}
+    for name, value in explicit.items():
+        if value < -1:
+            raise SpecPilotError(f"--{'warmup' if name == 'replay-warmup' else 'replay'}-timesteps is >= 0 (or -1), got {value}")
+        if value >= 0 and not replay:
+            raise SpecPilotError(f"--{'warmup' if name == 'replay-warmup' else 'replay'}-timesteps needs a replay "
+                                 f"phase, and --env {mode} has none")
+    if cfg.timesteps < 0:
+        raise SpecPilotError(f"--timesteps is >= 0, got {cfg.timesteps}")
+    present = (["replay-warmup", "replay"] if replay else []) + (["real"] if mode in ("real", "both") else [])
+    steps = {n: (explicit[n] if explicit.get(n, -1) >= 0 else s) for n, s in yaml_steps.items()}
+    if cfg.timesteps:
+        fixed = sum(v for v in explicit.values() if v >= 0)
+        free = [n for n in present if explicit.get(n, -1) < 0]
+        if fixed > cfg.timesteps or (not free and fixed < cfg.timesteps):
+            raise SpecPilotError(f"--timesteps {cfg.timesteps} does not match the phases set explicitly ({fixed} steps)")
+        for name, part in zip(free, split_budget(cfg.timesteps - fixed, [yaml_steps[n] for n in free])):
+            steps[name] = part
+    return steps
+
+
 def train_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
     device_key, hardware_name = resolve_device(cfg.device)
     hp = load_hyperparams(device_key, cfg.hp)
-    if cfg.timesteps:
-        hp["timesteps"] = cfg.timesteps
     k_max = int(hp["k_max"])
     if cfg.batch_sizes:
         hp["batch_sizes"] = parse_ints(cfg.batch_sizes, "--batch-sizes")
@@ -191,6 +226,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
     phases = []
     mode = _env_mode(cfg, device_key, draft.name)
+    budget = plan_steps(cfg, hp, mode)
     if mode in ("replay", "both"):
         def replay_env_fn(sizes: list[int]):
             return _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
@@ -199,25 +235,32 @@ def train_main(argv: list[str] | None = None) -> int:
 
         replay_fn = replay_env_fn(batch_sizes)
         every = int(hp["replay_checkpoint_every"])
-        warmup = int(hp.get("replay_warmup_timesteps") or 0)
+        warmup = budget["replay-warmup"]
         if warmup > 0:  # first at these batch sizes only (CPU: one row), then at all of them
             warmup_sizes = [int(b) for b in hp.get("replay_warmup_batch_sizes") or [1]]
             phases.append(("replay-warmup", replay_env_fn(warmup_sizes), warmup, every))
-        phases.append(("replay", replay_fn, int(hp["replay_timesteps"]), every))
-        print(f"specpilot: replay env runs {replay_steps_per_second(replay_fn()):,.0f} env steps/s "
+        phases.append(("replay", replay_fn, budget["replay"], every))
+        probe = replay_fn()
+        warn(probe.cost.outside(batch_sizes, max(len(t.prompt_ids) + len(t.output_ids) for t in probe.traces)))
+        print(f"specpilot: replay env runs {replay_steps_per_second(probe):,.0f} env steps/s "
               "(random actions, this process)", file=sys.stderr)
     if mode in ("real", "both"):
-        phases.append(("real", env_fn, int(hp["timesteps"]), int(hp["checkpoint_every"])))
+        phases.append(("real", env_fn, budget["real"], int(hp["checkpoint_every"])))
+    n_steps, batch_size, fitted = fit_rollouts([p[2] for p in phases], int(hp["n_steps"]), int(hp["batch_size"]))
+    hp["n_steps"], hp["batch_size"] = n_steps, batch_size
+    phases = [(name, fn, s, every) for (name, fn, _, every), s in zip(phases, fitted)]
     warm = int(hp["rollout_rounds"]) if mode in ("replay", "both") else 0
     plan = ([f"warm start ({warm} round(s) of rollout improvement)"] if warm else []) + [
-        f"{n} {s} steps" for n, _, s, _ in phases if s > 0 or not warm]
-    print(f"specpilot: env {mode}: " + ", ".join(plan), file=sys.stderr)
+        f"{n} {s:,} PPO steps" for n, _, s, _ in phases if s > 0]
+    if any(s > 0 for _, _, s, _ in phases):
+        plan.append(f"rollouts of {n_steps} steps")
+    print(f"specpilot: plan (env {mode}): " + (", ".join(plan) or "nothing to train"), file=sys.stderr)
 
     init, warm_history = None, []
     if warm:
         warm_path = run_dir / "warm_start.json"
         if cfg.resume and warm_path.exists():
-            saved = json.loads(warm_path.read_text())
+            saved = read_json_file(warm_path, "warm-start file", keys=("layers", "normalization", "history"))
             init = ([(np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)) for w, b in saved["layers"]],
                     saved["normalization"])
             warm_history = saved["history"]

@@ -6,12 +6,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.config import parse_config, parse_ints
+from decoding.config import at_least, parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.hardware import device_of
 from decoding.models import load_draft, load_target, resolve_torch_device
-from decoding.paths import policy_dir, profile_path, relative, traces_path
-from decoding.policies import DEFAULT_K_MAX, PerBatchK, parse_policy
+from decoding.paths import policy_dir, profile_path, read_json_file, relative, traces_path
+from decoding.policies import PerBatchK, parse_policy, resolve_k_max
 from decoding.prompts import load_prompts, per_category
 from decoding.sampling import Sampling
 from env.oracle import (
@@ -65,8 +65,9 @@ class BenchmarkConfig:
     """Runs of every (policy, prompt) pair; the median time counts."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
-    k_max: int = DEFAULT_K_MAX
-    """Largest draft length a policy may choose."""
+    k_max: int | None = None
+    """Largest draft length a policy may choose (default: a learned policy's own k_max, else 8; a value
+    that differs from a learned policy's is an error: its features are scaled by the k_max it was trained with)."""
     chat: bool = True
     """Wrap prompts in the chat template."""
     temperature: float = 0.0
@@ -143,10 +144,8 @@ def _tuned_rule(cfg, name: str, device_key: str, draft, sampling) -> PerBatchK:
     """`best-rule` or `rule:FAMILY`: the rules tuned on the train split by scripts/tune_rules.py, one
     spelling per batch size (policies/DEVICE/DRAFT/rules.json or --rules)."""
     path = Path(cfg.rules) if cfg.rules else policy_dir(device_key, draft.name) / "rules.json"
-    if not path.exists():
-        raise SpecPilotError(f"no tuned rules {path}; run: python scripts/tune_rules.py --device {device_key} "
-                             f"--draft {draft.name}")
-    rules = json.loads(path.read_text())
+    rules = read_json_file(path, "tuned rules", f"run: python scripts/tune_rules.py --device {device_key} --draft {draft.name}",
+                           keys=("draft", "best_rule", "best"))
     if rules.get("draft") != draft.name:
         raise SpecPilotError(f"rules {path} were tuned for draft '{rules.get('draft')}', not '{draft.name}'")
     family = name.partition(":")[2]
@@ -163,15 +162,16 @@ def _command(argv: list[str] | None) -> str:
 
 
 def _range_report(policies: dict) -> dict:
-    """{name: {"calls", "out_of_range"}} of the learned policies that record their trained input range."""
-    return {n: {"calls": p.calls, "out_of_range": p.out_of_range} for n, p in policies.items()
-            if getattr(p, "low", None) is not None and p.calls}
+    """{name: {"calls", "out_of_range", "non_finite"}} of the learned policies: decisions whose input was
+    clipped into the trained range (policies that record it) or was not finite (k = 0 taken instead)."""
+    return {n: {"calls": p.calls, "out_of_range": p.out_of_range, "non_finite": p.non_finite}
+            for n, p in policies.items() if hasattr(p, "non_finite") and p.calls}
 
 
 def _print_range_report(report: dict) -> None:
     for name, row in report.items():
         print(f"{name}: {row['out_of_range']} of {row['calls']} decisions saw a feature outside its trained range "
-              "(clipped into it)")
+              f"(clipped into it); {row['non_finite']} saw a non-finite one (k = 0 instead)")
 
 
 def _policy_sources(policies: dict) -> dict:
@@ -222,8 +222,9 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
     cost = CostModel.from_profile(profile)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [1]
+    warn(cost.outside(sizes, max(len(t.prompt_ids) + len(t.output_ids) for t in traces)))
     if cfg.batch_sizes:
-        sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
         by_size = {b: replay_evaluate(policies, traces, cost, cfg.k_max, hardware, b, cfg.max_new_tokens) for b in sizes}
         print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}) taken B at a time, "
               f"{cfg.max_new_tokens} tokens, cost profile of {device_key}, draft {draft.name}; speedup over plain at B")
@@ -275,7 +276,10 @@ def _replay_check(cfg, target, device_key: str, draft, sampling, policies: dict,
 
 def benchmark_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(BenchmarkConfig, argv)
+    at_least(1, repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
     names = expand_policies(cfg.policies)
+    if "oracle" in names and cfg.batch_sizes and not cfg.replay:
+        raise SpecPilotError("the oracle's hindsight schedule is per sequence: run it without --batch-sizes, or with --replay")
     if "none" not in names:
         names.insert(0, "none")
     device_key, hardware_name = device_of(resolve_torch_device(cfg.device))
@@ -283,9 +287,14 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     prompts = per_category(load_prompts(cfg.prompts, cfg.split), cfg.per_category)
     target = load_target(cfg.target, cfg.dtype, cfg.device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
+    learned = {n: parse_policy(n, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key, draft=draft.name)
+               for n in names if n.split(":")[0] == "learned"}
+    cfg.k_max = resolve_k_max(cfg.k_max, learned.values())
     policies = {}
     for n in names:
-        if n == "oracle":
+        if n in learned:
+            policies[n] = learned[n]
+        elif n == "oracle":
             policies[n] = _oracle(cfg, device_key, draft, sampling)
         elif n == "batch-table":
             policies[n] = _batch_table(cfg, device_key, draft, sampling)

@@ -6,12 +6,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.config import parse_config
+from decoding.config import parse_config, warn
 from decoding.errors import SpecPilotError
 from decoding.hardware import resolve_device
 from decoding.models import draft_name
 from decoding.paths import policy_dir, profile_path, relative, traces_path
-from decoding.policies import DEFAULT_K_MAX, parse_policy
+from decoding.policies import parse_policy, resolve_k_max
 from env.oracle import (
     CostModel,
     load_profile,
@@ -41,8 +41,9 @@ class ExportVllmConfig:
     """Cost profile (default: profiles/DEVICE.json; must include batch sizes)."""
     traces: str | None = None
     """Acceptance traces (default: profiles/traces-DRAFT.json); the train split gives the observations."""
-    k_max: int = DEFAULT_K_MAX
-    """Largest k."""
+    k_max: int | None = None
+    """Largest draft length a policy may choose (default: a learned policy's own k_max, else 8; a value
+    that differs from a learned policy's is an error: its features are scaled by the k_max it was trained with)."""
     allow_device_mismatch: bool = False
     """Accept a learned policy trained on another device."""
     out: str | None = None
@@ -62,12 +63,15 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
     traces, meta = load_traces(cfg.traces or traces_path(draft_name(cfg.draft)))
     traces = train_traces(traces, meta)
     if cfg.policy == "batch-table":
+        cfg.k_max = resolve_k_max(cfg.k_max, [])
         policy = BatchTableK.from_profile(profile, traces, cfg.k_max)
     else:
-        policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device,
-                              draft=draft_name(cfg.draft))
+        policy = parse_policy(cfg.policy, resolve_k_max(cfg.k_max, []), allow_device_mismatch=cfg.allow_device_mismatch,
+                              device=device, draft=draft_name(cfg.draft))
+        cfg.k_max = resolve_k_max(cfg.k_max, [policy])
     hardware = profile_hardware(profile)
     budget = getattr(policy, "meta", {}).get("max_new_tokens")  # a learned policy: the budget it was trained with
+    warn(CostModel.from_profile(profile).outside([cfg.max_batch]))
     chosen, counts = policy_to_table(policy, traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_batch,
                                      hardware, cfg.episodes, max_new_tokens=budget)
     ranges = vllm_ranges(chosen, cfg.max_batch)

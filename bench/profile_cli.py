@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoding.config import parse_config, parse_ints
+from decoding.config import at_least, parse_config, parse_ints
 from decoding.hardware import resolve_device, torch_device_of
 from decoding.models import ModelDrafter, load_draft, load_target, random_init_target
 from decoding.paths import slug, traces_path
@@ -65,6 +65,8 @@ class ProfileConfig:
 
 def profile_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(ProfileConfig, argv)
+    at_least(1, repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
+    at_least(0, k_max=cfg.k_max)
     device_key, hardware_name = resolve_device(cfg.device)
     torch_device = torch_device_of(device_key)
     lens = parse_ints(cfg.context_lens, "--context-lens")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoding.config import parse_config, parse_ints
+from decoding.config import at_least, parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.paths import (
     atomic_write_text,
@@ -124,6 +124,7 @@ def rules_policy(by_batch: dict, profile: dict, traces, k_max: int, draft: str, 
 
 def tune_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TuneConfig, argv)
+    at_least(1, max_new_tokens=cfg.max_new_tokens, k_max=cfg.k_max)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
     source = Path(cfg.profile) if cfg.profile else profile_path(cfg.device, cfg.draft)
     profile = load_profile(source)
@@ -131,6 +132,7 @@ def tune_main(argv: list[str] | None = None) -> int:
     traces = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
     if max(sizes) > 1 and not profile.get("batch_sizes"):
         raise SpecPilotError(f"the cost profile {source} has no batch sizes; rerun scripts/profile_device.py")
+    warn(CostModel.from_profile(profile).outside(sizes))
     result = tune_rules(traces, profile, cfg.draft, cfg.k_max, profile_hardware(profile), sizes, cfg.max_new_tokens,
                         cfg.progress)
     out = Path(cfg.out) if cfg.out else policy_dir(cfg.device, cfg.draft) / "rules.json"

@@ -67,6 +67,19 @@ def parse_ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def at_least(minimum: int, **flags: int) -> None:
+    """Each value >= minimum, else a one-line error naming its flag: at_least(1, repeats=0) -> '--repeats must be >= 1'."""
+    for name, value in flags.items():
+        if value < minimum:
+            raise SpecPilotError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+
+
+def warn(message: str | None) -> None:
+    """One 'warning:' line on stderr (nothing for None)."""
+    if message:
+        print(f"warning: {message}", file=sys.stderr)
+
+
 def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run a CLI main: a SpecPilotError becomes a one-line message and exit code 2, no traceback."""
     try:

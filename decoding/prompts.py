@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SpecPilotError
+from .paths import read_text_file
 
 DEFAULT_PROMPTS = Path(__file__).with_name("data") / "prompts.jsonl"
 
@@ -22,10 +23,8 @@ class Prompt:
 def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[Prompt]:
     """The prompts of a JSONL file (default: the project's set), optionally one split only."""
     path = Path(path) if path else DEFAULT_PROMPTS
-    if not path.is_file():
-        raise SpecPilotError(f"prompt file not found: {path}")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text_file(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from decoding.errors import SpecPilotError
+from decoding.paths import read_json_file
 from decoding.loop import generate
 from decoding.policies import LengthPolicy, NoSpeculation
 from decoding.sampling import Sampling
@@ -80,11 +81,15 @@ def save_traces(traces: list[Trace], path: str | Path, meta: dict) -> None:
 
 
 def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise SpecPilotError(f"trace file not found: {path} (record it with scripts/profile_device.py --traces)")
-    data = json.loads(path.read_text())
-    return [Trace(**t) for t in data["traces"]], data.get("meta", {})
+    data = read_json_file(path, "trace file", "record it with scripts/profile_device.py", keys=("traces",))
+    try:
+        traces = [Trace(**t) for t in data["traces"]]
+        for t in traces:
+            if not len(t.matches) == len(t.available) == len(t.output_ids):
+                raise ValueError(f"trace {t.question_id}: matches, available and output_ids differ in length")
+    except (TypeError, ValueError) as exc:
+        raise SpecPilotError(f"corrupt trace file {path}: {exc}") from None
+    return traces, data.get("meta", {})
 
 
 def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0) -> tuple[list[Trace], dict]:
@@ -106,10 +111,8 @@ def train_traces(traces: list[Trace], meta: dict) -> list[Trace]:
 
 def load_profile(path: str | Path, device_key: str | None = None) -> dict:
     """A cost profile (scripts/profile_device.py); with `device_key`, checked to be that device's."""
-    path = Path(path)
-    if not path.exists():
-        raise SpecPilotError(f"no cost profile {path}; run: python scripts/profile_device.py --device {device_key or 'auto'}")
-    profile = json.loads(path.read_text())
+    profile = read_json_file(path, "cost profile", f"run: python scripts/profile_device.py --device {device_key or 'auto'}",
+                             keys=("context_lens", "verify_s", "draft_s_per_token"))
     if device_key is not None and profile.get("device") != device_key:
         raise SpecPilotError(f"cost profile {path} is for device '{profile.get('device')}', not '{device_key}'")
     return profile
@@ -179,6 +182,19 @@ class CostModel:
                 draft *= draft_scale
                 self._buckets[key] = (verify * scale + draft * np.arange(self.k_max + 1), draft)
         return self._buckets[key]
+
+    def outside(self, batch_sizes=(), context_len: int | None = None) -> str | None:
+        """A one-line note when batch sizes or a context length lie beyond the profiled ones (their cost
+        is then the nearest profiled one, or extrapolated linearly in context), else None."""
+        notes = []
+        beyond = sorted(b for b in batch_sizes if b > self.max_batch)
+        if beyond:
+            notes.append(f"batch sizes {beyond} lie above the profiled {self.batch_sizes} (costed as B={self.max_batch})")
+        top = int(self.context_lens.max())
+        if context_len is not None and context_len > top:
+            notes.append(f"contexts up to {context_len} tokens lie beyond the profiled {[int(c) for c in self.context_lens]} "
+                         "(costs held at the longest)")
+        return "; ".join(notes) or None
 
     @classmethod
     def from_profile(cls, profile: dict) -> "CostModel":

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from decoding.errors import SpecPilotError
+from decoding.paths import read_json_file
+
 from .profile import profile_costs
 
 
@@ -40,9 +43,13 @@ class PlainSpeed:
 
     @classmethod
     def load(cls, path: str | Path) -> "PlainSpeed":
-        data = json.loads(Path(path).read_text())
-        scale = {int(b): float(v) for b, v in data.get("batch_scale", {"1": 1.0}).items()}
-        return cls(data["context_lens"], data["seconds"], data.get("meta", {}), scale)
+        data = read_json_file(path, "plain-speed file", keys=("context_lens", "seconds"))
+        try:
+            scale = {int(b): float(v) for b, v in data.get("batch_scale", {"1": 1.0}).items()}
+            return cls([int(c) for c in data["context_lens"]], [float(x) for x in data["seconds"]], data.get("meta", {}),
+                       scale)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise SpecPilotError(f"corrupt plain-speed file {path}: {exc}") from None
 
 
 def measure_plain_speed(target, prompt_ids: list[int], context_lens=(32, 256, 1024), repeats: int = 6,

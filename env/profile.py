@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
 from decoding.drafters import Draft
+from decoding.errors import SpecPilotError
 from decoding.hardware import shared_monitor
 from decoding.loop import speculative_step, start, synchronize
 from decoding.sampling import Sampling
@@ -61,6 +63,12 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
     target = dataclasses.replace(target, eos_ids=frozenset())  # an EOS must not end a timing sequence
     window = target.context_window or 10**9
     lens = [c for c in context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
+    if not lens:
+        raise SpecPilotError(f"every --context-lens value {list(context_lens)} leaves no room in the target's context "
+                             f"window ({window} tokens) for {repeats} repeats of k = 0..{k_max}; use shorter contexts")
+    if len(lens) < len(context_lens):
+        print(f"warning: context lengths {sorted(set(context_lens) - set(lens))} do not fit the target's context window "
+              f"({window} tokens) with room to time every k; profiling {lens}", file=sys.stderr)
     monitor = shared_monitor(str(target.device))
     verify, draft_cost, spreads, hardware = [], [], [], []
     randomizer = RandomDrafter(target.vocab_size)

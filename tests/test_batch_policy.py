@@ -151,7 +151,7 @@ def test_export_vllm_table_cli(tmp_path, capsys):
     assert ranges[0][0] == 1 and ranges[-1][1] == 20
     assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
     code = run_cli(export_vllm_main, ["--policy", "batch-table", "--device", "cpu", "--profile", str(tmp_path / "none.json")])
-    assert code == 2 and "no cost profile" in capsys.readouterr().err
+    assert code == 2 and "cost profile not found" in capsys.readouterr().err
 
 
 def test_static_policy_in_batched_replay_drafts_the_widest_row():

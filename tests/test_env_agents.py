@@ -167,6 +167,53 @@ def test_resume_continues_step_count(tiny_model_dirs, tmp_path):
     assert json.loads((policy_dir(tmp_path) / "policy.json").read_text())["training_steps"] == 128
 
 
+def test_resume_skips_a_torn_checkpoint(tiny_model_dirs, tmp_path, capsys):
+    """A checkpoint cut short (a kill while it was written) is skipped; the run resumes from the one before,
+    losing one checkpoint interval, and ends with the step count asked for."""
+    from agents.train_cli import train_main
+
+    assert train_main(train_args(tiny_model_dirs, tmp_path, 96, "--no-track")) == 0
+    ckpt = policy_dir(tmp_path) / "run" / "checkpoints"
+    newest = ckpt / "ppo_96_steps.zip"
+    newest.write_bytes(newest.read_bytes()[:500])
+    assert train_main(train_args(tiny_model_dirs, tmp_path, 128, "--no-track", "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "ppo_96_steps.zip does not load" in err and "resuming from ppo_64_steps.zip" in err
+    assert json.loads((policy_dir(tmp_path) / "policy.json").read_text())["training_steps"] == 128
+    assert not list(ckpt.glob("*.tmp*"))  # checkpoints are renamed into place
+
+
+def test_step_budget_is_split_and_never_exceeded():
+    from agents.ppo import fit_rollouts, split_budget
+    from agents.train_cli import TrainConfig, plan_steps
+
+    assert split_budget(64, [0, 200000, 20000]) == [0, 58, 6]
+    assert split_budget(64, [0, 0, 0]) == [0, 0, 64] and sum(split_budget(1001, [1, 1, 1])) == 1001
+    hp = {"replay_warmup_timesteps": 0, "replay_timesteps": 200000, "timesteps": 20000}
+    assert plan_steps(TrainConfig(timesteps=64), hp, "both") == {"replay-warmup": 0, "replay": 58, "real": 6}
+    assert plan_steps(TrainConfig(timesteps=64), hp, "real") == {"replay-warmup": 0, "replay": 0, "real": 64}
+    assert plan_steps(TrainConfig(), hp, "both") == {"replay-warmup": 0, "replay": 200000, "real": 20000}
+    assert plan_steps(TrainConfig(timesteps=100, replay_timesteps=40), hp, "both")["real"] == 60
+    with pytest.raises(SpecPilotError, match="does not match"):
+        plan_steps(TrainConfig(timesteps=10, replay_timesteps=40), hp, "both")
+    with pytest.raises(SpecPilotError, match="needs a replay phase"):
+        plan_steps(TrainConfig(replay_timesteps=40), hp, "real")
+    # SB3 collects whole rollouts: n_steps is lowered and phases cut so that none runs more than asked
+    assert fit_rollouts([58, 6], 1024, 64) == (6, 6, [54, 6])
+    assert fit_rollouts([608], 1024, 64) == (608, 38, [608])
+    assert fit_rollouts([5000, 700], 1024, 64) == (700, 50, [4900, 700])
+    assert fit_rollouts([0, 0], 1024, 64) == (1024, 64, [0, 0])
+
+
+def test_timesteps_is_the_total_of_the_run(tiny_model_dirs, tmp_path, capsys):
+    from agents.train_cli import train_main
+
+    args = train_args(tiny_model_dirs, tmp_path, 40, "--no-track", "--hp", "n_steps=1024", "--hp", "checkpoint_every=1000")
+    assert train_main(args) == 0
+    assert json.loads((policy_dir(tmp_path) / "policy.json").read_text())["training_steps"] == 40
+    assert "real 40 PPO steps, rollouts of 40 steps" in capsys.readouterr().err
+
+
 def test_resume_without_checkpoint_is_an_error(tiny_model_dirs, tmp_path):
     from agents.train_cli import train_main
 
@@ -217,10 +264,98 @@ def test_corrupt_policy_json(trained, tmp_path):
 
 def test_corrupt_policy_weights(trained, tmp_path):
     folder = copy_policy(trained, tmp_path)
-    data = (folder / "policy.safetensors").read_bytes()
-    (folder / "policy.safetensors").write_bytes(data[: len(data) // 3])
+    weights = folder / json.loads((folder / "policy.json").read_text())["weights"]
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 3])
     with pytest.raises(SpecPilotError, match="corrupt or incompatible policy weights"):
         LearnedK.load(folder)
+
+
+def test_policy_json_missing_keys(trained, tmp_path):
+    folder = copy_policy(trained, tmp_path)
+    meta = json.loads((folder / "policy.json").read_text())
+    del meta["layers"], meta["activation"]
+    (folder / "policy.json").write_text(json.dumps(meta))
+    with pytest.raises(SpecPilotError, match=r"lacks the keys \['activation', 'layers'\]"):
+        LearnedK.load(folder)
+
+
+def _export_again(folder, check=None):
+    from agents.export import write_policy
+
+    old = LearnedK.load(folder)
+    layers = [(wt.T * 2.0, b * 2.0) for wt, b in old.layers]  # a different policy, same shapes
+    norm = {k: old.meta["normalization"][k] for k in ("mean", "var", "epsilon", "clip")}
+    return write_policy(folder, layers, norm, "tanh", old.k_max, "cpu", "test", 1, {}, check=check)
+
+
+def test_export_failed_check_leaves_the_previous_policy(trained, tmp_path):
+    folder = copy_policy(trained, tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+    def failing(meta_path):
+        assert LearnedK.load(meta_path).meta["training_steps"] == 1  # the check sees the new policy
+        raise SpecPilotError("export check failed: planted")
+
+    with pytest.raises(SpecPilotError, match="planted"):
+        _export_again(folder, check=failing)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing changed, nothing left over
+    meta_path = _export_again(folder)
+    assert LearnedK.load(meta_path).meta["training_steps"] == 1
+    prev = LearnedK.load(folder / "policy.prev.json")  # the replaced policy, restorable with one mv
+    assert prev.meta["training_steps"] == json.loads(before["policy.json"])["training_steps"]
+
+
+@pytest.mark.parametrize("kill_at", ["replace-1", "replace-2", "replace-3", "rmtree"])
+def test_export_killed_at_any_point_leaves_a_loadable_policy(trained, tmp_path, monkeypatch, kill_at):
+    """A kill is simulated by an exception at the n-th filesystem step of the commit; the policy folder
+    then loads (the old policy before the commit rename, the new one after it)."""
+    import agents.export as export
+
+    folder = copy_policy(trained, tmp_path)
+    old_steps = LearnedK.load(folder).meta["training_steps"]
+    real = {"replace": export.os.replace, "rmtree": export.shutil.rmtree}
+    calls = {"replace": 0, "rmtree": 0}
+    name, n = kill_at.split("-") if "-" in kill_at else (kill_at, "1")
+
+    class Killed(BaseException):
+        pass
+
+    def make(op):
+        def fake(*a, **kw):
+            calls[op] += 1
+            if op == name and calls[op] == int(n):
+                raise Killed
+            return real[op](*a, **kw)
+        return fake
+
+    monkeypatch.setattr(export.os, "replace", make("replace"))
+    monkeypatch.setattr(export.shutil, "rmtree", make("rmtree"))
+    with pytest.raises(Killed):
+        _export_again(folder)
+    monkeypatch.undo()
+    steps = LearnedK.load(folder).meta["training_steps"]
+    assert steps == (1 if kill_at == "rmtree" else old_steps)  # the commit is the policy.json rename
+
+
+def test_non_finite_observation_is_k0_and_counted_or_an_error_when_strict(trained):
+    policy = LearnedK.load(policy_dir(trained))
+    obs = policy.mean.astype(np.float32).copy()
+    live = [i for i, f in enumerate(policy.meta["features"]) if f not in policy.pinned]
+    pinned = [i for i, f in enumerate(policy.meta["features"]) if f in policy.pinned]
+    expected = policy.choose_k(obs)
+    if pinned:  # a pinned feature holding inf or NaN is ignored
+        bad = obs.copy()
+        bad[pinned[0]] = np.inf
+        assert policy.choose_k(bad) == expected and policy.non_finite == 0
+    for value in (np.nan, np.inf, -np.inf):
+        bad = obs.copy()
+        bad[live[0]] = value
+        assert policy.choose_k(bad) == 0
+    assert policy.non_finite == 3
+    policy.strict = True
+    with pytest.raises(SpecPilotError, match="non-finite observation"):
+        policy.choose_k(bad)
 
 
 def test_policy_with_other_features(trained, tmp_path):
@@ -254,9 +389,9 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert len(written) == 1 and written[0].name != "cpu.json"
     profile = json.loads(written[0].read_text())
     assert len(profile["verify_s"]) == 2 and len(profile["verify_s"][0]) == 5 and profile["hardware"]
-    args = train_args(tiny_model_dirs, tmp_path / "policies", 32, "--no-track", "--prompts", str(prompts),
-                      "--hp", "replay_timesteps=256", "--hp", "replay_checkpoint_every=128", "--batch-sizes", "1,2",
-                      "--hp", "replay_warmup_timesteps=128", "--hp", "replay_warmup_batch_sizes=[1]")
+    args = train_args(tiny_model_dirs, tmp_path / "policies", 416, "--no-track", "--prompts", str(prompts),
+                      "--replay-timesteps", "256", "--hp", "replay_checkpoint_every=128", "--batch-sizes", "1,2",
+                      "--warmup-timesteps", "128", "--hp", "replay_warmup_batch_sizes=[1]")
     assert train_main(args) == 0
     meta = json.loads((policy_dir(tmp_path / "policies") / "policy.json").read_text())
     assert meta["training_steps"] == 128 + 256 + 32  # one-row warm-up, replay over both sizes, real loop
@@ -268,7 +403,7 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
 
     # the warm start: rollout policy improvement from the best rule (tuned first, on the train split only)
     warm = tmp_path / "warm"
-    args = train_args(tiny_model_dirs, warm, 32, "--no-track", "--prompts", str(prompts), "--env", "replay",
+    args = train_args(tiny_model_dirs, warm, 0, "--no-track", "--prompts", str(prompts), "--env", "replay",
                       "--batch-sizes", "1,2", "--hp", "replay_timesteps=0", "--hp", "rollout_rounds=1",
                       "--hp", "rollout_episodes=2", "--hp", "rollout_epochs=5")
     assert train_main(args) == 0
@@ -279,8 +414,8 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert rules["split"] == "train" and rules["traces"] == 4 and set(rules["best_rule"]) == {"1", "2"}
     assert "low" in meta["normalization"] and LearnedK.load(folder, device="cpu").low is not None
     # then PPO from the warm-started weights (its observation statistics frozen: they are the fit's)
-    args = train_args(tiny_model_dirs, warm, 32, "--no-track", "--prompts", str(prompts), "--env", "replay",
-                      "--batch-sizes", "1,2", "--hp", "replay_timesteps=64", "--hp", "rollout_rounds=1",
+    args = train_args(tiny_model_dirs, warm, 64, "--no-track", "--prompts", str(prompts), "--env", "replay",
+                      "--batch-sizes", "1,2", "--hp", "rollout_rounds=1",
                       "--hp", "rollout_episodes=2", "--hp", "rollout_epochs=5")
     assert train_main(args) == 0
     tuned = json.loads((folder / "policy.json").read_text())
