@@ -312,6 +312,6 @@ def train_main(argv: list[str] | None = None) -> int:
           f"vs plain: {row['speedup']:.3f}x"
           + (f"; vs best-rule: {row['tokens_per_s'] / table['best-rule']['overall']['tokens_per_s']:.3f}x"
              if "best-rule" in table else ""))
-    (run_dir / "eval.json").write_text(json.dumps({"summary": summary, "best_static": best_static,
-                                                   "prompts": [p.question_id for p in held_out]}, indent=1))
+    atomic_write_text(run_dir / "eval.json", json.dumps({"summary": summary, "best_static": best_static,
+                                                         "prompts": [p.question_id for p in held_out]}, indent=1))
     return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from decoding.errors import SpecPilotError
-from decoding.paths import read_json_file
+from decoding.paths import atomic_write_text, read_json_file
 
 from .profile import profile_costs
 
@@ -38,8 +38,8 @@ class PlainSpeed:
         return seconds * float(scale)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"context_lens": self.context_lens, "seconds": self.seconds, "meta": self.meta,
-                                          "batch_scale": {str(b): v for b, v in self.batch_scale.items()}}))
+        atomic_write_text(path, json.dumps({"context_lens": self.context_lens, "seconds": self.seconds, "meta": self.meta,
+                                            "batch_scale": {str(b): v for b, v in self.batch_scale.items()}}))
 
     @classmethod
     def load(cls, path: str | Path) -> "PlainSpeed":

@@ -36,7 +36,10 @@ def test_k_zero_is_a_plain_step(tiny_pair):
     target_model, draft_model = tiny_pair
     draft = ModelDrafter(draft_model, "perturbed", target_model.config.vocab_size)
     state = start(tiny_target(target_model), draft, [1, 2, 3], 10)
+    calls = []
+    draft.propose = lambda *a, **kw: calls.append(a) or ModelDrafter.propose(draft, *a, **kw)
+    cached = draft.cache.get_seq_length() if draft.cache is not None else 0
     step = speculative_step(state, 0)
     assert step.k == 0 and step.accepted == 0 and len(step.new_tokens) == 1
-    assert step.draft_s < step.verify_s
+    assert calls == [] and (draft.cache.get_seq_length() if draft.cache is not None else 0) == cached  # no draft ran
     assert state.cache.get_seq_length() == state.length - 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -22,7 +23,7 @@ SMALL_PROMPTS = [p for p in load_prompts() if p.question_id.endswith(("-00", "-0
 @pytest.fixture(scope="module")
 def tiny_env_parts(tiny_model_dirs):
     target = load_target(tiny_model_dirs["target"], "float32", "cpu")
-    draft = load_draft(tiny_model_dirs["draft"], target)
+    draft = load_draft("ngram", target)  # proposes from the context: some drafts accepted, some rejected
     speed = PlainSpeed([16, 1024], [0.002, 0.003])
     return target, draft, speed
 
@@ -50,8 +51,15 @@ def test_env_checkers(tiny_env_parts):
     sb3_check_env(make_env(tiny_env_parts), warn=True)
 
 
-def test_env_is_registered():
-    assert ENV_ID in gym.registry
+def test_env_is_made_through_the_registry(tiny_env_parts):
+    """gym.make(ENV_ID) builds the real-loop env (with the checkers' wrappers) and it steps."""
+    target, draft, speed = tiny_env_parts
+    env = gym.make(ENV_ID, target=target, draft=draft, prompts=SMALL_PROMPTS, k_max=4, max_new_tokens=6,
+                   plain_speed=speed)
+    assert isinstance(env.unwrapped, SpecDecodeEnv)
+    env.reset(seed=0)
+    _, reward, *_ = env.step(2)
+    assert np.isfinite(reward)
 
 
 def test_env_episode_equals_plain_decoding(tiny_env_parts):
@@ -59,7 +67,7 @@ def test_env_episode_equals_plain_decoding(tiny_env_parts):
     env = make_env(tiny_env_parts)
     obs, info = env.reset(seed=3, options={"prompt_index": 1})
     assert obs.shape == (len(FEATURES),) and obs.dtype == np.float32 and np.isfinite(obs).all()
-    done, rewards, ks = False, [], []
+    done, rewards, ks, rejected = False, [], [], 0
     rng = np.random.default_rng(0)
     while not done:
         action = int(rng.integers(0, 5))
@@ -67,11 +75,12 @@ def test_env_episode_equals_plain_decoding(tiny_env_parts):
         assert np.isfinite(obs).all() and np.isfinite(reward)
         rewards.append(reward)
         ks.append(step_info["k"])
+        rejected += step_info["k"] - step_info["accepted"]
     target = tiny_env_parts[0]
     plain = generate(target, None, NoSpeculation(), target.encode(SMALL_PROMPTS[1].text, chat=True), 12)
     assert env.state.generated == plain.token_ids
     assert "spec_episode" in step_info and step_info["spec_episode"]["speedup"] > 0
-    assert max(ks) > 0
+    assert max(ks) > 0 and rejected > 0  # the check saw drafts rejected, not only accepted
 
 
 def test_env_reset_is_seeded(tiny_env_parts):
@@ -447,7 +456,7 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
                          "--max-new-tokens", "12", "--batch-sizes", "1,2,3", "--no-progress"]) == 0
     capsys.readouterr()
     # batched: every policy on the same batches, the batch-size table built from the profile
-    code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"].replace("draft", "draft"),
+    code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
                            "--prompts", str(prompts), "--policies", f"none,static:2,batch-table,learned:{policy_dir(trained)}",
                            "--k-max", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2,3", "--out", str(tmp_path / "bb"),
                            "--report", str(tmp_path / "reports" / "batch.md"), "--repeats", "2", "--no-progress"])
@@ -473,3 +482,47 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
     assert table["oracle"]["overall"]["fraction_of_oracle"] == pytest.approx(1.0)
     assert (tmp_path / "bench" / "benchmark.png").stat().st_size > 1000
     assert (tmp_path / "reports" / "cpu.png").exists() and "| oracle |" in (tmp_path / "reports" / "cpu.md").read_text()
+
+
+def test_training_survives_sigkill_at_random_points(tiny_model_dirs, tmp_path):
+    """Fault injection: a training run in a subprocess is killed with SIGKILL three times at random points
+    (after its first checkpoint: in PPO, in a checkpoint write, in the export), resumed each time with
+    --resume, and ends with the step count it was asked for and a policy that loads."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    args = [sys.executable, str(root / "scripts" / "train_policy.py"), *train_args(tiny_model_dirs, tmp_path, 320, "--no-track",
+                                                                                    "--env", "real")]
+    ckpt = tmp_path / "cpu"
+    rng = random.Random(1)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    kills = []
+    for attempt in range(3):
+        resume = ["--resume"] if list(ckpt.rglob("ppo_*_steps.zip")) else []
+        started = time.time()
+        proc = subprocess.Popen(args + resume, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = started + 120
+        while not [p for p in ckpt.rglob("ppo_*_steps.zip") if p.stat().st_mtime >= started] and time.time() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills.append(proc.returncode)
+        newest = max((int(p.stem.split("_")[1]) for p in ckpt.rglob("ppo_*_steps.zip")), default=0)
+        print(f"kill {attempt + 1}: exit {proc.returncode}, newest checkpoint {newest} steps, "
+              f"policy.json {'present' if list(ckpt.rglob('policy.json')) else 'absent'}")
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert -signal.SIGKILL in kills  # at least one run really died mid-way
+    meta = json.loads((policy_dir(tmp_path) / "policy.json").read_text())
+    assert meta["training_steps"] == 320
+    assert LearnedK.load(policy_dir(tmp_path)).k_max == 4
+

@@ -81,41 +81,142 @@ def test_probs_from_logits_top_k_top_p():
 
 @torch.no_grad()
 def exact_two_token_distribution(model, prompt, sampling):
-    p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], sampling)
+    """The target's own law of its first two sampled tokens, by enumeration (V x V)."""
+    p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], sampling).double()
     V = p1.shape[0]
     joint = torch.zeros(V, V, dtype=torch.float64)
     for a in range(V):
         if p1[a] > 0:
-            p2 = probs_from_logits(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)
+            p2 = probs_from_logits(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling).double()
             joint[a] = p1[a] * p2
     return joint
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_speculative_generate_matches_target_sampling(drafter):
-    """End to end: the first two tokens of speculative sampling follow the target's joint law."""
-    V = 8
-    target_model = tiny_llama(vocab=V, seed=5)
-    with torch.no_grad():
-        target_model.lm_head.weight.mul_(0.06)  # back to soft distributions: sampling must matter
-    draft_model = perturbed_copy(target_model, 0.5, seed=9)
-    sampling = Sampling(temperature=0.9, top_k=6)
-    prompt = [1, 2, 3, 1, 2]
-    if drafter == "ngram":  # let the looked-up token (z in [1, 2, z, 1, 2]) be a likely one
-        with torch.no_grad():
-            z = max(range(V), key=lambda z: float(torch.softmax(target_model(torch.tensor([[1, 2, z, 1, 2]])).logits[0, -1], -1)[z]))
-        prompt = [1, 2, z, 1, 2]
-    exact = exact_two_token_distribution(target_model, prompt, sampling)
-    target = tiny_target(target_model)
-    draft = ModelDrafter(draft_model, "d", V) if drafter == "model" else NgramDrafter(2)
-    n = 3000
-    counts = torch.zeros(V, V, dtype=torch.float64)
+def expected_noise(law: torch.Tensor, n: int) -> float:
+    """E[TV(empirical of n draws, law)] ~ 1/2 sum sqrt(2 p (1 - p) / (pi n)) (normal approximation)."""
+    p = law.flatten()
+    return 0.5 * float(torch.sqrt(2 * p * (1 - p) / (torch.pi * n)).sum())
+
+
+class FirstProposal:
+    """Wraps a drafter and keeps q, the draft's distribution of its first proposed token (first call)."""
+
+    def __init__(self, draft):
+        self.draft, self.q = draft, None
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def propose(self, *args, **kwargs):
+        out = self.draft.propose(*args, **kwargs)
+        if self.q is None and out.probs is not None:
+            self.q = out.probs[0].double()
+        return out
+
+    def propose_batch(self, *args, **kwargs):
+        out = self.draft.propose_batch(*args, **kwargs)
+        if self.q is None and out.probs is not None:
+            self.q = out.probs[0, 0].double()
+        return out
+
+
+V_SHARP = 8
+
+
+def sharp_pair():
+    """A target and a draft with sharp, different next-token laws (two independent random models)."""
+    return tiny_llama(vocab=V_SHARP, seed=5), tiny_llama(vocab=V_SHARP, seed=9)
+
+
+def two_token_law(target_model, draft, prompts, sampling, n, rows=200, seed0=0):
+    """Empirical law of the first two tokens after each prompt over n speculative runs (k = 2).
+
+    The runs are the rows of batches (`rows` per call, the prompts alternating), so the batched path is
+    the one under test; `rows=1` runs one sequence at a time (the single-sequence path)."""
+    counts = torch.zeros(len(prompts), V_SHARP, V_SHARP, dtype=torch.float64)
     accepted = 0
-    for seed in range(n):
-        result = generate(target, draft, StaticK(3), prompt, 2, sampling, seed=seed)
-        a, b = result.token_ids
-        counts[a, b] += 1
-        accepted += result.steps[0].accepted
-    assert 0 < accepted < n  # both accept and reject paths ran
-    tv = total_variation(counts / n, exact)
-    assert tv < 0.07, tv
+    for call in range(n * len(prompts) // rows):
+        batch = [prompts[i % len(prompts)] for i in range(rows)]
+        result = generate(tiny_target(target_model), draft, StaticK(2), batch if rows > 1 else batch[0], 2, sampling,
+                          seed=seed0 + call)
+        tokens = result.token_ids if rows > 1 else [result.token_ids]
+        for i, (a, b) in enumerate(tokens):
+            counts[i % len(prompts), a, b] += 1
+        accepted += sum(result.steps[0].accepted_rows)
+    return counts / n, accepted
+
+
+def likely_lookup_prompt(model, sampling) -> list[int]:
+    """[1, 2, z, 1, 2] with z the token the target gives the most probability below 0.7 after it: the
+    n-gram draft proposes z, accepted often, rejected often."""
+    def p_of(z):
+        with torch.no_grad():
+            return float(probs_from_logits(model(torch.tensor([[1, 2, z, 1, 2]])).logits[0, -1], sampling)[z])
+    return [1, 2, max((z for z in range(V_SHARP) if p_of(z) < 0.7), key=p_of), 1, 2]
+
+
+CASES = {
+    "lm-top-k": ("model", Sampling(temperature=1.0, top_k=5), 1),
+    "lm-top-p": ("model", Sampling(temperature=1.0, top_p=0.8), 1),
+    "head-sub-vocabulary": ("head", Sampling(temperature=1.0), 1),
+    "ngram": ("ngram", Sampling(temperature=1.0), 1),
+    "lm-two-prompts": ("model", Sampling(temperature=1.0), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does_not(case, monkeypatch):
+    """End to end through `generate` (batched rows): each row's first two tokens follow the target's
+    exact joint law (by enumeration), for sharp target and draft laws at least 0.3 apart in total
+    variation; the same runs with the classic bug (resample from p instead of the residual) miss it by
+    more than twice the tolerance, so the test has the power to catch it."""
+    import decoding.loop
+    from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
+
+    kind, sampling, n_prompts = CASES[case]
+    target_model, draft_model = sharp_pair()
+    prompts = [[1, 2, 3, 1, 2], [4, 0, 6, 5, 7]][:n_prompts]
+    if kind == "model":
+        draft = FirstProposal(ModelDrafter(draft_model, "d", V_SHARP))
+    elif kind == "head":  # proposes from a sub-vocabulary only: q is 0 on the rest, the residual covers it
+        torch.manual_seed(3)
+        config = HeadConfig(hidden_size=target_model.config.hidden_size, intermediate_size=48, blocks=1,
+                            vocab_ids=[0, 1, 2, 6], target_vocab_size=V_SHARP,
+                            target_signature=target_signature(target_model))
+        draft = FirstProposal(HeadDrafter(DraftHead(config).to(target_model.dtype).eval(), target_model))
+    else:  # the n-gram draft proposes the token after the earlier [1, 2]: q is a point mass on it
+        draft = FirstProposal(NgramDrafter(2))
+        prompts = [likely_lookup_prompt(target_model, sampling)]
+    exacts = [exact_two_token_distribution(target_model, p, sampling) for p in prompts]
+    n = 4000
+    law, accepted = two_token_law(target_model, draft, prompts, sampling, n)
+    q_first = draft.q if draft.q is not None else torch.nn.functional.one_hot(torch.tensor(prompts[0][2]), V_SHARP).double()
+    assert total_variation(exacts[0].sum(1), q_first) >= 0.3  # sharp and different: rejections and residuals matter
+    assert 0 < accepted < n * 2 * len(prompts)  # both accept and reject paths ran
+    monkeypatch.setattr(decoding.loop, "verify_sampling", verify_broken_no_residual)
+    draft.q = None
+    broken, _ = two_token_law(target_model, draft, prompts, sampling, n, seed0=10**6)
+    for row, exact in enumerate(exacts):
+        tolerance = 1.6 * expected_noise(exact, n)
+        tv, tv_broken = total_variation(law[row], exact), total_variation(broken[row], exact)
+        assert tv < tolerance, (row, tv, tolerance)
+        assert tv_broken > 2 * tolerance, (row, tv_broken, tolerance)
+
+
+def test_single_sequence_sampling_follows_the_targets_law(monkeypatch):
+    """The same check one sequence at a time (the unbatched path), with fewer runs and so a looser
+    tolerance, which the broken verifier still misses by more than twice."""
+    import decoding.loop
+
+    target_model, draft_model = sharp_pair()
+    sampling, prompt = Sampling(temperature=1.0, top_k=5), [1, 2, 3, 1, 2]
+    exact = exact_two_token_distribution(target_model, prompt, sampling)
+    n = 600
+    tolerance = 1.6 * expected_noise(exact, n)
+    law, accepted = two_token_law(target_model, ModelDrafter(draft_model, "d", V_SHARP), [prompt], sampling, n, rows=1)
+    assert 0 < accepted < 2 * n
+    assert total_variation(law[0], exact) < tolerance
+    monkeypatch.setattr(decoding.loop, "verify_sampling", verify_broken_no_residual)
+    broken, _ = two_token_law(target_model, ModelDrafter(draft_model, "d", V_SHARP), [prompt], sampling, n, rows=1,
+                              seed0=10**6)
+    assert total_variation(broken[0], exact) > 2 * tolerance
