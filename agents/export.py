@@ -99,7 +99,7 @@ def _referenced_weights(meta_path: Path) -> str | None:
 def _drop_unreferenced_weights(out: Path) -> None:
     """Weights files that neither policy.json nor policy.prev.json name (left by an interrupted export)."""
     keep = {_referenced_weights(out / name) for name in ("policy.json", "policy.prev.json")}
-    for path in out.glob("policy-*.safetensors"):
+    for path in [*out.glob("policy-*.safetensors"), out / "policy.safetensors"]:  # (the older layout's name too)
         if path.name not in keep:
             path.unlink(missing_ok=True)
 

@@ -66,10 +66,36 @@ def load_vecnormalize(path: str | Path, venv) -> PinnedVecNormalize:
     return loaded
 
 
-def make_vec_env(env_fn, seed: int):
-    venv = DummyVecEnv([lambda: Monitor(env_fn())])
+class EnvFns(list):
+    """The env factories of one phase, one per env: run in this process (`subprocess` False: envs that share
+    a model already loaded here) or one process each (SB3 SubprocVecEnv: replay envs on N cores, real envs
+    one per GPU)."""
+
+    def __init__(self, fns, subprocess: bool = False):
+        super().__init__(fns)
+        self.subprocess = subprocess
+
+
+def _monitored(env_fn):
+    return lambda: Monitor(env_fn())
+
+
+def make_vec_env(env_fns, seed: int):
+    """A normalised vector env of the factories (one callable = one env in this process)."""
+    fns = env_fns if isinstance(env_fns, EnvFns) else EnvFns([env_fns])
+    wrapped = [_monitored(fn) for fn in fns]
+    if fns.subprocess and len(fns) > 1:
+        from stable_baselines3.common.vec_env import SubprocVecEnv  # spawns processes: only when asked
+
+        venv = SubprocVecEnv(wrapped, start_method="fork")
+    else:
+        venv = DummyVecEnv(wrapped)
     venv.seed(seed)
     return PinnedVecNormalize(venv, norm_obs=True, norm_reward=False, clip_obs=10.0, gamma=1.0)
+
+
+def n_envs_of(env_fns) -> int:
+    return len(env_fns) if isinstance(env_fns, EnvFns) else 1
 
 
 def make_ppo(venv, hp: dict, seed: int, tensorboard_log: str | None):
@@ -111,18 +137,20 @@ def split_budget(total: int, weights: list[float]) -> list[int]:
     return parts
 
 
-def fit_rollouts(steps: list[int], n_steps: int, batch_size: int) -> tuple[int, int, list[int]]:
+def fit_rollouts(steps: list[int], n_steps: int, batch_size: int, n_envs: int = 1) -> tuple[int, int, list[int]]:
     """(n_steps, batch_size, steps per phase) such that PPO runs no more than asked.
 
-    SB3 collects whole rollouts of `n_steps`, so a phase of `s` steps runs ceil(s / n_steps) * n_steps.
-    `n_steps` is lowered to the smallest non-empty phase, each phase is cut to whole rollouts (at most
-    n_steps - 1 fewer than asked, never more), and `batch_size` becomes a divisor of `n_steps`."""
+    SB3 collects whole rollouts of `n_steps` per env, n_steps * n_envs env steps, so a phase of `s` steps
+    runs ceil(s / rollout) rollouts. `n_steps` is lowered until a rollout fits the smallest non-empty
+    phase, each phase is cut to whole rollouts (never more than asked), and `batch_size` becomes a
+    divisor of the rollout."""
     asked = [s for s in steps if s > 0]
     if not asked:
         return n_steps, batch_size, list(steps)
-    n_steps = max(2, min(n_steps, min(asked)))  # PPO's advantage normalisation needs 2 samples
-    batch_size = max(d for d in range(1, min(batch_size, n_steps) + 1) if n_steps % d == 0)
-    return n_steps, batch_size, [s // n_steps * n_steps for s in steps]
+    n_steps = max(2, min(n_steps, min(asked) // n_envs))  # PPO's advantage normalisation needs 2 samples
+    rollout = n_steps * n_envs
+    batch_size = max(d for d in range(1, min(batch_size, rollout) + 1) if rollout % d == 0)
+    return n_steps, batch_size, [s // rollout * rollout for s in steps]
 
 
 CHECKPOINT_RE = re.compile(r"ppo_(\d+)_steps\.zip$")
@@ -161,15 +189,16 @@ def load_checkpoint(folder: str | Path, env_fn, seed: int, log=print):
 
 
 class AtomicCheckpoint(BaseCallback):
-    """Every `every` steps: the VecNormalize statistics, then the model, each written to a temporary file
-    and renamed into place, so a kill leaves the previous checkpoints whole and at most one interval lost."""
+    """Every `every` env steps (all envs together): the VecNormalize statistics, then the model, each
+    written to a temporary file and renamed into place, so a kill leaves the previous checkpoints whole
+    and loses at most one interval."""
 
     def __init__(self, every: int, folder: str | Path):
         super().__init__()
         self.every, self.folder = int(every), Path(folder)
 
     def _on_step(self) -> bool:
-        if self.every > 0 and self.n_calls % self.every == 0:
+        if self.every > 0 and self.num_timesteps % self.every < self.training_env.num_envs:
             steps = self.num_timesteps
             stats = self.folder / f"ppo_vecnormalize_{steps}_steps.pkl"
             vecnorm = self.model.get_vec_normalize_env()
@@ -230,9 +259,14 @@ def train(
     weights and its observation statistics, which then stay frozen (the weights were fitted to them).
     Returns (model, venv of the last phase).
     """
-    n_steps, batch_size, fitted = fit_rollouts([p[2] for p in phases], int(hp["n_steps"]), int(hp["batch_size"]))
+    n_envs = {n_envs_of(p[1]) for p in phases}
+    if len(n_envs) > 1:
+        raise SpecPilotError(f"every phase needs the same number of envs (SB3 keeps it per model), got {sorted(n_envs)}")
+    n_envs = n_envs.pop() if n_envs else 1
+    n_steps, batch_size, fitted = fit_rollouts([p[2] for p in phases], int(hp["n_steps"]), int(hp["batch_size"]), n_envs)
     hp = {**hp, "n_steps": n_steps, "batch_size": batch_size}  # whole rollouts: no phase runs more than asked
-    phases = [(name, fn, s, max(n_steps, int(every) // n_steps * n_steps))  # checkpoints at rollout ends
+    rollout = n_steps * n_envs
+    phases = [(name, fn, s, max(rollout, int(every) // rollout * rollout))  # checkpoints at rollout ends
               for (name, fn, _, every), s in zip(phases, fitted)]
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints"
@@ -262,6 +296,7 @@ def train(
                 model, venv = found[0], found[1]
                 model.tensorboard_log = tb_log
                 fresh.obs_rms = venv.obs_rms
+                venv.close()  # the env it was loaded with (its processes, if any)
                 venv = fresh
                 model.set_env(venv)
             elif model is None:
@@ -271,6 +306,7 @@ def train(
                     warm_start(model, venv, *init)
             else:  # next phase: same policy and observation statistics, new env
                 fresh.obs_rms = venv.obs_rms
+                venv.close()
                 venv = fresh
                 model.set_env(venv)
             # the normalisation is learned in the first phase and the replay phases after it, and frozen for

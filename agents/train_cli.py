@@ -10,9 +10,9 @@ import numpy as np
 
 from bench.benchmark import format_table, run_benchmark, summarize
 from bench.tune_cli import rules_policy, tune_rules
-from decoding.config import parse_config, parse_ints, warn
+from decoding.config import at_least, parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
-from decoding.hardware import resolve_device, shared_monitor, torch_device_of
+from decoding.hardware import gpu_names, resolve, shared_monitor
 from decoding.learned import LearnedK
 from decoding.models import load_draft, load_target
 from decoding.paths import (
@@ -35,7 +35,7 @@ from env.replay_env import replay_steps_per_second
 
 from .export import export_policy, write_policy
 from .improve import improve_policy
-from .ppo import fit_rollouts, load_hyperparams, split_budget, train
+from .ppo import EnvFns, fit_rollouts, load_hyperparams, split_budget, train
 
 
 @dataclass
@@ -43,7 +43,7 @@ class TrainConfig:
     """Train a PPO draft-length policy for this device on the real decode loop, export and evaluate it."""
 
     device: str = "auto"
-    """Device to train for: auto | cpu | a100 | h100 | h200 | l4 | ... (must be present on this machine)."""
+    """Device: auto | cpu | cuda[:N] | a device key such as h100 (the first visible GPU of that kind; must be present)."""
     timesteps: int = 0
     """Total PPO env steps of the run, split over its phases (replay warm-up, replay, real loop) in the
     proportions of agents/hyperparams.yaml (all to the last phase where the YAML gives none); 0 = the
@@ -87,6 +87,9 @@ class TrainConfig:
     """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
     progress: bool = True
     """Show progress bars."""
+    n_envs: int = 1
+    """Envs PPO steps at once: replay envs in N processes (one core each); real-loop envs one per visible GPU
+    (each process loads the target on its GPU), or on the CPU N envs sharing this process's model."""
 
 
 def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
@@ -196,7 +199,8 @@ def plan_steps(cfg: TrainConfig, hp: dict, mode: str) -> dict[str, int]:
 
 def train_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
-    device_key, hardware_name = resolve_device(cfg.device)
+    device = resolve(cfg.device)
+    device_key, hardware_name, torch_device = device.key, device.name, device.torch
     hp = load_hyperparams(device_key, cfg.hp)
     k_max = int(hp["k_max"])
     if cfg.batch_sizes:
@@ -205,7 +209,6 @@ def train_main(argv: list[str] | None = None) -> int:
     real_batch_sizes = [int(b) for b in hp.get("real_batch_sizes") or batch_sizes]
     train_prompts = load_prompts(cfg.prompts, "train")
     test_prompts = load_prompts(cfg.prompts, "test") if cfg.eval_per_category else []
-    torch_device = torch_device_of(device_key)
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
@@ -220,18 +223,36 @@ def train_main(argv: list[str] | None = None) -> int:
                                           batch_sizes=real_batch_sizes)
         plain_speed.save(speed_path)
 
+    at_least(1, n_envs=cfg.n_envs)
+
     def env_fn():
         return SpecDecodeEnv(target, draft, train_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
                              plain_speed=plain_speed, reward=str(hp["reward"]), batch_sizes=real_batch_sizes)
+
+    def real_env_fns() -> EnvFns:
+        gpus = gpu_names() if torch_device.startswith("cuda") else []
+        if cfg.n_envs == 1 or not gpus:  # one process: the envs share the model loaded above
+            return EnvFns([env_fn] * cfg.n_envs)
+
+        def on_gpu(index: int):
+            def make():  # runs in the env's own process: its own copy of the models on its own GPU
+                own = load_target(cfg.target, cfg.dtype, f"cuda:{index}")
+                return SpecDecodeEnv(own, load_draft(cfg.draft, own, cfg.dtype), train_prompts, k_max=k_max,
+                                     max_new_tokens=int(hp["max_new_tokens"]), plain_speed=plain_speed,
+                                     reward=str(hp["reward"]), batch_sizes=real_batch_sizes)
+            return make
+
+        return EnvFns([on_gpu(i % len(gpus)) for i in range(cfg.n_envs)], subprocess=True)
 
     phases = []
     mode = _env_mode(cfg, device_key, draft.name)
     budget = plan_steps(cfg, hp, mode)
     if mode in ("replay", "both"):
         def replay_env_fn(sizes: list[int]):
-            return _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
-                                  int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), sizes,
-                                  float(hp["replay_speed_jitter"]))
+            one = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
+                                 int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), sizes,
+                                 float(hp["replay_speed_jitter"]))
+            return EnvFns([one] * cfg.n_envs, subprocess=True)
 
         replay_fn = replay_env_fn(batch_sizes)
         every = int(hp["replay_checkpoint_every"])
@@ -240,20 +261,21 @@ def train_main(argv: list[str] | None = None) -> int:
             warmup_sizes = [int(b) for b in hp.get("replay_warmup_batch_sizes") or [1]]
             phases.append(("replay-warmup", replay_env_fn(warmup_sizes), warmup, every))
         phases.append(("replay", replay_fn, budget["replay"], every))
-        probe = replay_fn()
+        probe = replay_fn[0]()
         warn(probe.cost.outside(batch_sizes, max(len(t.prompt_ids) + len(t.output_ids) for t in probe.traces)))
         print(f"specpilot: replay env runs {replay_steps_per_second(probe):,.0f} env steps/s "
               "(random actions, this process)", file=sys.stderr)
     if mode in ("real", "both"):
-        phases.append(("real", env_fn, budget["real"], int(hp["checkpoint_every"])))
-    n_steps, batch_size, fitted = fit_rollouts([p[2] for p in phases], int(hp["n_steps"]), int(hp["batch_size"]))
+        phases.append(("real", real_env_fns(), budget["real"], int(hp["checkpoint_every"])))
+    n_steps, batch_size, fitted = fit_rollouts([p[2] for p in phases], int(hp["n_steps"]), int(hp["batch_size"]),
+                                               cfg.n_envs)
     hp["n_steps"], hp["batch_size"] = n_steps, batch_size
     phases = [(name, fn, s, every) for (name, fn, _, every), s in zip(phases, fitted)]
     warm = int(hp["rollout_rounds"]) if mode in ("replay", "both") else 0
     plan = ([f"warm start ({warm} round(s) of rollout improvement)"] if warm else []) + [
         f"{n} {s:,} PPO steps" for n, _, s, _ in phases if s > 0]
     if any(s > 0 for _, _, s, _ in phases):
-        plan.append(f"rollouts of {n_steps} steps")
+        plan.append(f"rollouts of {n_steps} steps" + (f" x {cfg.n_envs} envs" if cfg.n_envs > 1 else ""))
     print(f"specpilot: plan (env {mode}): " + (", ".join(plan) or "nothing to train"), file=sys.stderr)
 
     init, warm_history = None, []

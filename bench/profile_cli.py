@@ -10,7 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoding.config import at_least, parse_config, parse_ints
-from decoding.hardware import resolve_device, torch_device_of
+from decoding.hardware import resolve
 from decoding.models import ModelDrafter, load_draft, load_target, random_init_target
 from decoding.paths import slug, traces_path
 from decoding.policies import DEFAULT_K_MAX
@@ -26,7 +26,7 @@ class ProfileConfig:
     """Measure this device's cost profile (draft and verify seconds vs k) and record acceptance traces."""
 
     device: str = "auto"
-    """Device to profile: auto | cpu | a100 | h100 | h200 | ... (must be present)."""
+    """Device: auto | cpu | cuda[:N] | a device key such as h100 (the first visible GPU of that kind; must be present)."""
     target: str = "embedded"
     """Target model (see generate --target)."""
     draft: str = "ngram"
@@ -67,8 +67,8 @@ def profile_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(ProfileConfig, argv)
     at_least(1, repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
     at_least(0, k_max=cfg.k_max)
-    device_key, hardware_name = resolve_device(cfg.device)
-    torch_device = torch_device_of(device_key)
+    device = resolve(cfg.device)
+    device_key, hardware_name, torch_device = device.key, device.name, device.torch
     lens = parse_ints(cfg.context_lens, "--context-lens")
     if cfg.target_config:
         target = random_init_target(cfg.target_config, cfg.dtype, torch_device)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import platform
 import re
+import sys
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,16 +59,20 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def _cuda():
+    """torch.cuda when a CUDA device is visible, else None (torch is imported here, not at module load)."""
+    import torch
+
+    try:
+        return torch.cuda if torch.cuda.is_available() and torch.cuda.device_count() > 0 else None
+    except Exception:
+        return None
+
+
 def gpu_names() -> list[str]:
-    """Names of the NVIDIA GPUs NVML reports (empty without a driver)."""
-    nvml = _nvml()
-    if nvml is None:
-        return []
-    names = []
-    for i in range(nvml.nvmlDeviceGetCount()):
-        name = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))
-        names.append(name.decode() if isinstance(name, bytes) else name)
-    return names
+    """Names of the CUDA devices visible to this process (CUDA_VISIBLE_DEVICES applies), in torch order."""
+    cuda = _cuda()
+    return [cuda.get_device_name(i) for i in range(cuda.device_count())] if cuda is not None else []
 
 
 def device_key(hardware_name: str) -> str:
@@ -78,22 +84,66 @@ def device_key(hardware_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", lower).strip("-") or "gpu"
 
 
-def resolve_device(requested: str) -> tuple[str, str]:
-    """(device key, hardware name) for --device; 'auto' picks the first GPU, else the CPU.
+@dataclass(frozen=True)
+class Device:
+    """One resolved device: what every entry point uses (`resolve`)."""
 
-    A named device that is not present is an error naming what was found.
-    """
-    requested = requested.strip().lower()
-    gpus = gpu_names()
-    if requested == "auto":
-        return (device_key(gpus[0]), gpus[0]) if gpus else ("cpu", cpu_name())
+    key: str
+    """Short name for policies, profiles and hyperparameters: 'cpu', 'h100', 'a100', ..."""
+    torch: str
+    """The torch device: 'cpu' or 'cuda:N' (N counts the visible devices, as torch does)."""
+    name: str
+    """The hardware's own name (CPU model, or the GPU's name)."""
+
+
+def resolve(requested: str) -> Device:
+    """The one device resolver of every command: 'auto' (the first visible GPU, else the CPU), 'cpu',
+    'cuda', 'cuda:N', or a device key such as 'h100' (the first visible GPU of that kind). Visible means
+    as torch sees them, so CUDA_VISIBLE_DEVICES applies; NVML is never needed to resolve a device."""
+    requested = str(requested).strip().lower()
     if requested == "cpu":
-        return "cpu", cpu_name()
-    for name in gpus:
+        return Device("cpu", "cpu", cpu_name())
+    names = gpu_names()
+    if requested == "auto":
+        return Device(device_key(names[0]), "cuda:0", names[0]) if names else Device("cpu", "cpu", cpu_name())
+    if requested == "cuda" or requested.startswith("cuda:"):
+        index = requested.partition(":")[2] or "0"
+        if not names:
+            raise SpecPilotError(f"--device {requested}: CUDA is not available on this machine (CPU {cpu_name()})")
+        if not index.isdigit() or int(index) >= len(names):
+            raise SpecPilotError(f"--device {requested}: {len(names)} CUDA device(s) visible (cuda:0..cuda:{len(names) - 1})")
+        i = int(index)
+        return Device(device_key(names[i]), f"cuda:{i}", names[i])
+    for i, name in enumerate(names):
         if device_key(name) == requested:
-            return requested, name
-    found = ", ".join(f"{n} ({device_key(n)})" for n in gpus) if gpus else f"no GPU, CPU {cpu_name()}"
+            return Device(requested, f"cuda:{i}", name)
+    found = ", ".join(f"cuda:{i} {n} ({device_key(n)})" for i, n in enumerate(names)) if names else f"no GPU, CPU {cpu_name()}"
     raise SpecPilotError(f"--device {requested} is not present on this machine; found: {found}")
+
+
+def resolve_device(requested: str) -> tuple[str, str]:
+    """(device key, hardware name) of `resolve(requested)`."""
+    device = resolve(requested)
+    return device.key, device.name
+
+
+def nvml_handle(nvml, torch_device: str):
+    """The NVML handle of a torch CUDA device, matched by PCI bus id (then UUID): NVML counts physical
+    GPUs, torch the visible ones, so under CUDA_VISIBLE_DEVICES=3 torch's cuda:0 is NVML's GPU 3."""
+    index = int(str(torch_device).partition(":")[2] or 0)
+    props = _cuda().get_device_properties(index)
+    errors = []
+    try:
+        bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+        return nvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode())
+    except Exception as exc:  # NVML raises its own error classes
+        errors.append(f"PCI bus id: {type(exc).__name__}")
+    try:
+        uuid = str(props.uuid)
+        return nvml.nvmlDeviceGetHandleByUUID((uuid if uuid.startswith("GPU-") else "GPU-" + uuid).encode())
+    except Exception as exc:
+        errors.append(f"UUID: {type(exc).__name__}")
+    raise RuntimeError(f"no NVML device matches {torch_device} ({'; '.join(errors)})")
 
 
 class _CpuBackend:
@@ -120,10 +170,13 @@ class _CpuBackend:
 
 
 class _NvmlBackend:
-    def __init__(self, nvml, index: int) -> None:
+    def __init__(self, nvml, handle) -> None:
         self.nvml = nvml
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        self.max_clock = max(1, nvml.nvmlDeviceGetMaxClockInfo(self.handle, nvml.NVML_CLOCK_SM))
+        self.handle = handle
+        try:
+            self.max_clock = max(1, nvml.nvmlDeviceGetMaxClockInfo(self.handle, nvml.NVML_CLOCK_SM))
+        except Exception:
+            self.max_clock = 0  # no ratio to report: the clock counter keeps its neutral 1.0
         try:
             self.power_limit = nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle)
         except Exception:
@@ -172,7 +225,8 @@ class _NvmlBackend:
         except Exception:
             pass
         try:
-            out[_IDX["hw_sm_clock_ratio"]] = nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM) / self.max_clock
+            if self.max_clock:
+                out[_IDX["hw_sm_clock_ratio"]] = nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM) / self.max_clock
         except Exception:
             out[_IDX["hw_sm_clock_ratio"]] = 1.0
         if self.power_limit:
@@ -204,12 +258,14 @@ class HardwareMonitor:
         self._backends = [_CpuBackend()]
         self.hardware_name = cpu_name()
         if str(device).startswith("cuda"):
+            self.hardware_name = resolve(device).name
             nvml = _nvml()
-            if nvml is not None:
-                index = int(str(device).partition(":")[2] or 0)
-                self._backends.append(_NvmlBackend(nvml, index))
-                name = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index))
-                self.hardware_name = name.decode() if isinstance(name, bytes) else name
+            try:
+                if nvml is None:
+                    raise RuntimeError("NVML did not initialise: no driver library, or pynvml missing")
+                self._backends.append(_NvmlBackend(nvml, nvml_handle(nvml, device)))
+            except Exception as exc:  # counters unavailable: their flags stay 0, decoding goes on
+                _warn_once(f"warning: no GPU counters for {device} ({exc}); hw_is_gpu and the GPU counters read 0")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples = 0
@@ -248,6 +304,15 @@ class HardwareMonitor:
         self.stop()
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(message, file=sys.stderr)
+
+
 _MONITORS: dict[str, HardwareMonitor] = {}
 
 
@@ -261,24 +326,9 @@ def shared_monitor(device: str = "cpu") -> HardwareMonitor:
 
 def device_of(torch_device: str) -> tuple[str, str]:
     """(device key, hardware name) of a torch device string ('cpu', 'cuda', 'cuda:1')."""
-    torch_device = str(torch_device)
-    if not torch_device.startswith("cuda"):
-        return "cpu", cpu_name()
-    names = gpu_names()
-    index = int(torch_device.partition(":")[2] or 0)
-    if index >= len(names):
-        raise SpecPilotError(f"torch device {torch_device} has no NVML entry (found {len(names)} GPUs)")
-    return device_key(names[index]), names[index]
+    return resolve_device(str(torch_device))
 
 
 def torch_device_of(device: str) -> str:
-    """The torch device for a device name: a device key ('cpu', 'h100', ...), 'auto', or a torch
-    device string ('cuda', 'cuda:1') passed through. A key that is not present is an error."""
-    device = str(device).strip().lower()
-    if device.startswith("cuda"):
-        return device
-    key, _ = resolve_device(device)
-    if key == "cpu":
-        return "cpu"
-    index = next(i for i, name in enumerate(gpu_names()) if device_key(name) == key)
-    return f"cuda:{index}"
+    """The torch device for --device (see `resolve`)."""
+    return resolve(device).torch

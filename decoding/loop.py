@@ -187,8 +187,8 @@ def _as_rows(prompt_ids) -> tuple[list[torch.Tensor], bool]:
         return ([prompt_ids.flatten()] if prompt_ids.dim() < 2 else list(prompt_ids)), prompt_ids.dim() == 2
     prompt_ids = list(prompt_ids)
     if prompt_ids and isinstance(prompt_ids[0], (list, tuple, torch.Tensor)):
-        return [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompt_ids], True
-    return [torch.as_tensor(prompt_ids, dtype=torch.long).flatten()], False
+        return [torch.as_tensor(p, dtype=torch.long, device="cpu").flatten() for p in prompt_ids], True
+    return [torch.as_tensor(prompt_ids, dtype=torch.long, device="cpu").flatten()], False
 
 
 @torch.inference_mode()

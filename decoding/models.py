@@ -58,10 +58,13 @@ class Target:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids of a prompt, optionally wrapped in the chat template as one user turn."""
+        """Token ids of a prompt, optionally wrapped in the chat template as one user turn. A model without
+        a tokenizer (random init, `random:CONFIG`) reads the prompt's UTF-8 bytes as ids (mod its vocab)."""
         if not prompt or not prompt.strip():
             raise SpecPilotError("the prompt is empty")
         tok = self.tokenizer
+        if tok is None:
+            return [b % self.vocab_size for b in prompt.encode("utf-8")]
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise SpecPilotError(f"--chat: the tokenizer of {self.name} has no chat template")
@@ -73,6 +76,8 @@ class Target:
         return [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -170,15 +175,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def resolve_torch_device(name: str) -> str:
-    """auto | cpu | cuda[:N] | a device key such as h100 (see decoding.hardware.torch_device_of)."""
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecPilotError(f"torch device '{name}' requested but CUDA is not available")
-    if name == "auto" and torch.cuda.is_available():
-        return "cuda"
+    """auto | cpu | cuda[:N] | a device key such as h100 (see decoding.hardware.resolve)."""
     return torch_device_of(name)
 
 
 def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto") -> Target:
+    """The target: 'embedded', a hub id, a folder, a .gguf file, or random:CONFIG (random init, for the GPU
+    check's plumbing and cost profiling: no weights to download)."""
+    if spec and spec.startswith("random:"):
+        return random_init_target(spec.partition(":")[2], dtype, device)
     device = resolve_torch_device(device)
     model, tokenizer, name = load_model(spec, resolve_dtype(dtype, device), device)
     return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))

@@ -44,11 +44,11 @@ class RandomDrafter:
         pass
 
     def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
-        tokens = torch.randint(0, self.vocab_size, (k,), generator=self.generator).to(context.device)
+        tokens = torch.randint(0, self.vocab_size, (k,), generator=self.generator, device="cpu").to(context.device)
         return Draft(tokens=tokens, confidences=[1.0] * k, entropies=[0.0] * k)
 
     def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None) -> Draft:
-        tokens = torch.randint(0, self.vocab_size, (len(contexts), k), generator=self.generator).to(contexts[0].device)
+        tokens = torch.randint(0, self.vocab_size, (len(contexts), k), generator=self.generator, device="cpu").to(contexts[0].device)
         return Draft(tokens=tokens, confidences=[1.0] * k, entropies=[0.0] * k)
 
 

@@ -53,7 +53,7 @@ def plain_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None 
     ids = list(prompt)
     out = []
     for _ in range(max_new_tokens):
-        token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        token = int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax())
         out.append(token)
         ids.append(token)
         if token == eos:

@@ -212,6 +212,7 @@ def test_step_budget_is_split_and_never_exceeded():
     assert fit_rollouts([608], 1024, 64) == (608, 38, [608])
     assert fit_rollouts([5000, 700], 1024, 64) == (700, 50, [4900, 700])
     assert fit_rollouts([0, 0], 1024, 64) == (1024, 64, [0, 0])
+    assert fit_rollouts([100, 330], 64, 32, n_envs=2) == (50, 25, [100, 300])  # rollouts of 50 steps x 2 envs
 
 
 def test_timesteps_is_the_total_of_the_run(tiny_model_dirs, tmp_path, capsys):
@@ -409,6 +410,12 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert {"ppo_128_steps.zip", "ppo_256_steps.zip", "ppo_384_steps.zip", "ppo_416_steps.zip"} <= set(ckpts)
     # the batch-size feature was held still through the one-row warm-up and learned in the phase after it
     assert "batch_size_log" not in meta["normalization"]["pinned"]
+
+    # two replay envs in two processes (SB3 SubprocVecEnv), the step budget still exact
+    args = train_args(tiny_model_dirs, tmp_path / "two", 128, "--no-track", "--prompts", str(prompts), "--env", "replay",
+                      "--batch-sizes", "1,2", "--n-envs", "2")
+    assert train_main(args) == 0
+    assert json.loads((policy_dir(tmp_path / "two") / "policy.json").read_text())["training_steps"] == 128
 
     # the warm start: rollout policy improvement from the best rule (tuned first, on the train split only)
     warm = tmp_path / "warm"

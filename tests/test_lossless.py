@@ -141,3 +141,48 @@ def test_match_length_policy_speculates_only_on_long_ngram_matches(tiny_pair):
     assert parse_policy("match:2", draft="ngram:3").k == 8
     with pytest.raises(SpecPilotError, match="n-gram match"):  # a model draft has no match to read
         parse_policy("match:2", draft="default")
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_bf16_every_token_is_the_verify_pass_choice(greedy, monkeypatch):
+    """What "lossless" promises in bf16: every emitted token is the verify pass's own choice (its argmax,
+    or a draw the rejection sampler may make from its logits). A (k+1)-token pass can differ from a
+    1-token step in the last bits and flip a near-tie, so bf16 output is not promised token-identical to
+    plain bf16 decoding; the benchmark reports that mismatch rate instead (measured here too)."""
+    import decoding.loop
+    from decoding.sampling import Sampling, probs_from_logits
+    from bench.benchmark import mismatch_rate
+    from conftest import perturbed_copy, tiny_llama
+
+    target_model = tiny_llama(dtype=torch.bfloat16, seed=2)
+    draft_model = perturbed_copy(target_model, 0.15)
+    sampling = Sampling() if greedy else Sampling(temperature=1.0, top_k=3)
+    passes = []
+    real_greedy, real_sampling = decoding.loop.verify_greedy, decoding.loop.verify_sampling
+
+    def greedy_recorded(tokens, logits):
+        accepted, new = real_greedy(tokens, logits)
+        passes.append((logits.float().argmax(-1), None, accepted, new, tokens.shape[0]))
+        return accepted, new
+
+    def sampling_recorded(tokens, q, p, generator):
+        accepted, new = real_sampling(tokens, q, p, generator)
+        passes.append((None, p, accepted, new, tokens.shape[0]))
+        return accepted, new
+
+    monkeypatch.setattr(decoding.loop, "verify_greedy", greedy_recorded)
+    monkeypatch.setattr(decoding.loop, "verify_sampling", sampling_recorded)
+    prompt = [5, 9, 13, 2, 7]
+    draft = ModelDrafter(draft_model, "d", target_model.config.vocab_size)
+    result = generate(tiny_target(target_model), draft, parse_policy("static:4"), prompt, 40, sampling, seed=3)
+    assert [t for _, _, _, new, _ in passes for t in new.tolist()] == result.token_ids  # the passes' output
+    assert any(a < k for _, _, a, _, k in passes) and any(a > 0 for _, _, a, _, _ in passes)  # kept and refused
+    for argmax, p, accepted, new, _ in passes:
+        new = new.tolist()
+        if greedy:  # each kept draft and the final token are the pass's argmax at their position
+            assert new == argmax[: len(new)].tolist()
+        else:  # each has probability under the pass's (top-3) law: a draft token it would never draw is refused
+            assert all(float(p[j, t]) > 0 for j, t in enumerate(new))
+    if greedy:
+        plain = generate(tiny_target(target_model), None, parse_policy("none"), prompt, 40).token_ids
+        print(f"bf16 token mismatch against plain bf16 decoding: {100 * mismatch_rate(result.token_ids, plain):.1f}%")
