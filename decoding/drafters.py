@@ -11,6 +11,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .errors import SpecPilotError
@@ -99,12 +100,15 @@ class NgramDrafter:
         self.max_n, self.min_n = max_n, min_n
         self.name = f"ngram:{max_n}"
         self._last: dict[int, tuple[int, int, int]] = {}
+        # each row's confirmed tokens on the host: the search runs in numpy, and a step copies only the tokens
+        # confirmed since the last one from the device (one small transfer, not one per candidate n)
+        self._host: dict[int, np.ndarray] = {}
 
     def reset(self, prompt: torch.Tensor) -> None:
-        self._last = {}
+        self._last, self._host = {}, {}
 
     def reset_batch(self, contexts: list[torch.Tensor]) -> None:
-        self._last = {}
+        self._last, self._host = {}, {}
 
     def rollback(self, length: int) -> None:
         pass
@@ -126,18 +130,29 @@ class NgramDrafter:
         length = context.shape[0]
         last = self._last.get(row) if self._last else None
         if last is None or last[0] != length:
-            last = self._last[row] = (length, *self._search(context))
+            last = self._last[row] = (length, *self._search(self._host_copy(context, row)))
         _, start, n = last
         return context[start : start + k], n
 
-    def _search(self, context: torch.Tensor) -> tuple[int, int]:
+    def _host_copy(self, context: torch.Tensor, row: int) -> np.ndarray:
+        """The row's context on the host, extended by what it gained since the last call."""
+        held = self._host.get(row)
+        length = context.shape[0]
+        if held is None or held.shape[0] > length:
+            held = context.cpu().numpy()
+        elif held.shape[0] < length:
+            held = np.concatenate([held, context[held.shape[0] :].cpu().numpy()])
+        self._host[row] = held
+        return held
+
+    def _search(self, context: np.ndarray) -> tuple[int, int]:
         """(start of the continuation, matched n-gram length) of the most recent earlier match."""
         length = context.shape[0]
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             tail = context[length - n :]
-            windows = context[: length - 1].unfold(0, n, 1)  # windows that end before the last token
-            hits = (windows == tail).all(dim=1).nonzero()
-            if hits.numel():
+            windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)  # end before the last token
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
                 return int(hits[-1]) + n, n
         return length, 0
 

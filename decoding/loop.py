@@ -19,7 +19,7 @@ from .drafters import Draft, Drafter, cache_kwarg, crop_cache
 from .errors import SpecPilotError
 from .observation import ObservationBuilder
 from .sampling import Sampling, probs_from_logits
-from .verify import verify_greedy, verify_sampling
+from .verify import verify_greedy_rows, verify_sampling
 
 if TYPE_CHECKING:
     from .models import Target
@@ -317,19 +317,21 @@ def speculative_step(state: DecodeState, k: int, stop_below: float | None = None
         positions = (lengths - 1)[:, None] + torch.arange(k + 1, device=device)
         mask = torch.cat([state.slot_mask, torch.ones_like(feed)], dim=1)
         out = _target_forward(state, feed, positions, mask)
-    accepted_rows, new_rows = [], []
-    for i in range(len(rows)):
-        tokens = draft.tokens[i]
-        if state.sampling.greedy:
-            accepted, new = verify_greedy(tokens, out.logits[i])
-        else:
+    if state.sampling.greedy:  # every row at once, one transfer to the host
+        accepted_rows, new_lists, kept = verify_greedy_rows(draft.tokens, out.logits)
+        new_rows = [kept[i, : len(new)] for i, new in enumerate(new_lists)]
+    else:
+        accepted_rows, new_rows, new_lists = [], [], []
+        for i in range(len(rows)):
+            tokens = draft.tokens[i]
             target_probs = probs_from_logits(out.logits[i], state.sampling)
             draft_probs = draft.probs[i] if draft.probs is not None else None
             if draft_probs is None:  # a deterministic drafter: q is a point mass on each drafted token
                 draft_probs = torch.nn.functional.one_hot(tokens, target_probs.shape[-1]).float()
             accepted, new = verify_sampling(tokens, draft_probs, target_probs, state.generator)
-        accepted_rows.append(accepted)
-        new_rows.append(new)
+            accepted_rows.append(accepted)
+            new_rows.append(new)
+        new_lists = [new.tolist() for new in new_rows]
     # the cache gained k + 1 slots per row; a row keeps its fed token + its accepted drafts (its newest
     # token is fed next step); slots no row keeps are cropped
     crop_cache(state.cache, slots + max(accepted_rows) + 1)
@@ -347,8 +349,8 @@ def speculative_step(state: DecodeState, k: int, stop_below: float | None = None
             state.draft.rollback_batch([n + a for n, a in zip(lengths_before, accepted_rows)], list(state.active))
     eos = state.target.eos_ids
     appended = []
-    for r, new in zip(rows, new_rows):
-        tokens = new.tolist()[: r.remaining]
+    for r, new, listed in zip(rows, new_rows, new_lists):
+        tokens = listed[: r.remaining]
         for j, token in enumerate(tokens):
             if token in eos:
                 tokens = tokens[: j + 1]

@@ -67,6 +67,10 @@ class ObservationBuilder:
         self.draft_ms = math.nan
         self.verify_ms = math.nan
         self.plain_ms = math.nan
+        # the last REPETITION_WINDOW tokens of each row on the host, kept up to date from the steps' new tokens
+        # (already on the host), so the repetition feature costs no device-to-host copy per step
+        self._tails: dict[int, tuple[int, np.ndarray]] = {}
+        self._keys: list[int] = []
 
     def push(self, step) -> None:
         """Fold one StepResult into the statistics."""
@@ -89,6 +93,11 @@ class ObservationBuilder:
         if step.entropies:
             self.entropy_last = step.entropies[-1]
         self.match_len = step.match_len
+        if len(step.new_rows) == len(self._keys):
+            for key, new in zip(self._keys, step.new_rows):
+                if key in self._tails:
+                    length, window = self._tails[key]
+                    self._tails[key] = (length + len(new), np.concatenate([window, np.asarray(new, dtype=np.int64)])[-REPETITION_WINDOW:])
 
     def build(self, state) -> np.ndarray:
         """The observation before the next step of `state` (a copy, safe to keep)."""
@@ -111,6 +120,7 @@ class ObservationBuilder:
         v[i + 2] = self.last_k / self.k_max
         v[i + 3] = self.last_accepted / self.k_max
         i += 4
+        self._keys = []
         # a batch is described by the mean over its active rows (one sequence: that sequence)
         rows = state.active_rows if getattr(state, "batch_size", 1) > 1 else [state]
         ids = state.active if len(rows) > 1 else [0]
@@ -134,10 +144,23 @@ class ObservationBuilder:
             v[i + 9] = sum(peeks[j][1] for j in behind) / len(behind) / self.k_max
         else:
             v[i + 5], v[i + 6], v[i + 9] = self.match_len, 1.0, 1.0
-        v[i + 7] = sum(repetition_rate(r.buffer[max(0, r.length - REPETITION_WINDOW) : r.length]) for r in rows) / n
+        v[i + 7] = sum(repetition_rate(self._tail(r)) for r in rows) / n
         v[i + 8] = math.log(n)
         v[i + 10] = (most - sum(remaining) / n) / rows[0].max_new_tokens
         return v.copy()
+
+
+    def _tail(self, row) -> np.ndarray:
+        """The row's last REPETITION_WINDOW tokens from the host copy; read from the device only when the copy
+        does not cover the row's length (a new row, or steps this builder did not see)."""
+        key = id(row.buffer)
+        self._keys.append(key)
+        cached = self._tails.get(key)
+        if cached is None or cached[0] != row.length:
+            window = row.buffer[max(0, row.length - REPETITION_WINDOW) : row.length]
+            window = window.cpu().numpy() if hasattr(window, "cpu") else np.asarray(window)
+            cached = self._tails[key] = (row.length, window.astype(np.int64))
+        return cached[1]
 
 
 def repetition_rate(tokens) -> float:

@@ -22,6 +22,22 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return accepted, torch.cat([draft_tokens[:accepted], target_tokens[accepted : accepted + 1]])
 
 
+def verify_greedy_rows(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    """`verify_greedy` for every row at once, with one device-to-host transfer: (accepted per row, the
+    tokens each row keeps as host lists, the target's argmax (rows, k+1) on the device).
+
+    A kept draft token equals the target's argmax at its position, so a row's kept tokens are the first
+    accepted + 1 entries of the argmax row. Shapes: draft_tokens (rows, k), target_logits (rows, k+1, V)."""
+    target_tokens = target_logits.argmax(dim=-1)
+    k = draft_tokens.shape[1]
+    if k:
+        accepted = (draft_tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum(dim=1)
+    else:
+        accepted = torch.zeros(draft_tokens.shape[0], dtype=torch.long, device=target_tokens.device)
+    packed = torch.cat([accepted[:, None].to(target_tokens.dtype), target_tokens], dim=1).tolist()  # the one sync
+    return [row[0] for row in packed], [row[1 : row[0] + 2] for row in packed], target_tokens
+
+
 def verify_sampling(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,

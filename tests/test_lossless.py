@@ -158,19 +158,20 @@ def test_bf16_every_token_is_the_verify_pass_choice(greedy, monkeypatch):
     draft_model = perturbed_copy(target_model, 0.15)
     sampling = Sampling() if greedy else Sampling(temperature=1.0, top_k=3)
     passes = []
-    real_greedy, real_sampling = decoding.loop.verify_greedy, decoding.loop.verify_sampling
+    real_greedy, real_sampling = decoding.loop.verify_greedy_rows, decoding.loop.verify_sampling
 
     def greedy_recorded(tokens, logits):
-        accepted, new = real_greedy(tokens, logits)
-        passes.append((logits.float().argmax(-1), None, accepted, new, tokens.shape[0]))
-        return accepted, new
+        accepted, new, kept = real_greedy(tokens, logits)
+        for i in range(tokens.shape[0]):
+            passes.append((logits[i].float().argmax(-1), None, accepted[i], torch.tensor(new[i]), tokens.shape[1]))
+        return accepted, new, kept
 
     def sampling_recorded(tokens, q, p, generator):
         accepted, new = real_sampling(tokens, q, p, generator)
         passes.append((None, p, accepted, new, tokens.shape[0]))
         return accepted, new
 
-    monkeypatch.setattr(decoding.loop, "verify_greedy", greedy_recorded)
+    monkeypatch.setattr(decoding.loop, "verify_greedy_rows", greedy_recorded)
     monkeypatch.setattr(decoding.loop, "verify_sampling", sampling_recorded)
     prompt = [5, 9, 13, 2, 7]
     draft = ModelDrafter(draft_model, "d", target_model.config.vocab_size)
@@ -186,3 +187,44 @@ def test_bf16_every_token_is_the_verify_pass_choice(greedy, monkeypatch):
     if greedy:
         plain = generate(tiny_target(target_model), None, parse_policy("none"), prompt, 40).token_ids
         print(f"bf16 token mismatch against plain bf16 decoding: {100 * mismatch_rate(result.token_ids, plain):.1f}%")
+
+
+def test_rows_verifier_equals_the_one_row_verifier():
+    """verify_greedy_rows (one transfer for all rows) keeps what verify_greedy keeps, row by row."""
+    from decoding.verify import verify_greedy, verify_greedy_rows
+
+    g = torch.Generator().manual_seed(0)
+    for k in (0, 1, 4):
+        logits = torch.randn(6, k + 1, 5, generator=g)
+        drafts = logits[:, :k].argmax(-1)
+        drafts[1, :] = (drafts[1, :] + 1) % 5  # row 1 rejected at once
+        if k > 1:
+            drafts[2, 1] = (drafts[2, 1] + 1) % 5  # row 2 after one
+        accepted, new, kept = verify_greedy_rows(drafts, logits)
+        for i in range(6):
+            a, tokens = verify_greedy(drafts[i], logits[i])
+            assert (accepted[i], new[i]) == (a, tokens.tolist())
+            assert kept[i, : a + 1].tolist() == tokens.tolist()
+        assert accepted[0] == k and accepted[1] == 0 and (k < 2 or accepted[2] == 1)
+
+
+def test_ngram_lookup_equals_a_plain_search_as_the_context_grows():
+    """The n-gram drafter searches a host copy it extends step by step: it must find what a direct search
+    of the whole context finds (the most recent earlier match of the longest suffix n-gram)."""
+    import random
+
+    def reference(ctx, k, max_n=3):
+        for n in range(min(max_n, len(ctx) - 1), 0, -1):
+            starts = [s for s in range(len(ctx) - n) if ctx[s : s + n] == ctx[len(ctx) - n :]]
+            if starts:
+                return ctx[starts[-1] + n : starts[-1] + n + k], n
+        return [], 0
+
+    rng = random.Random(0)
+    draft = NgramDrafter(3)
+    for _ in range(3):
+        tokens = [rng.randint(0, 5) for _ in range(60)]
+        draft.reset(torch.tensor(tokens[:5]))
+        for length in list(range(5, 60, 1)) + [40, 41, 59]:  # growing, then shorter again (a new sequence view)
+            got, n = draft.lookup(torch.tensor(tokens[:length]), 4)
+            assert (got.tolist(), n) == reference(tokens[:length], 4), length
