@@ -114,13 +114,14 @@ def keep_previous(out: Path) -> None:
         return
     meta_text = current.read_text()
     try:
-        legacy = "weights" not in json.loads(meta_text)
+        meta = json.loads(meta_text)
     except ValueError:
         return  # not a policy: nothing worth keeping
-    if legacy and (out / "policy.safetensors").exists():
+    if "weights" not in meta and (out / "policy.safetensors").exists():  # the older layout: copy, and name it
         tmp = out / ".policy.prev.safetensors.tmp"
         shutil.copyfile(out / "policy.safetensors", tmp)
         os.replace(tmp, out / "policy.prev.safetensors")
+        meta_text = json.dumps({**meta, "weights": "policy.prev.safetensors"}, indent=1)
     atomic_write_text(out / "policy.prev.json", meta_text)
     print(f"specpilot: the previous policy in {out} is kept as policy.prev.json "
           f"(restore: mv {out / 'policy.prev.json'} {out / 'policy.json'})", file=sys.stderr)

@@ -533,3 +533,19 @@ def test_training_survives_sigkill_at_random_points(tiny_model_dirs, tmp_path):
     assert meta["training_steps"] == 320
     assert LearnedK.load(policy_dir(tmp_path)).k_max == 4
 
+
+
+def test_a_policy_of_the_older_layout_is_kept_and_restores_with_one_mv(trained, tmp_path):
+    """Policies committed before the export named its weights (policy.json + policy.safetensors): a new
+    export keeps it as policy.prev.json, and `mv policy.prev.json policy.json` brings it back."""
+    folder = copy_policy(trained, tmp_path)
+    meta = json.loads((folder / "policy.json").read_text())
+    (folder / meta.pop("weights")).rename(folder / "policy.safetensors")
+    (folder / "policy.json").write_text(json.dumps(meta))
+    before = LearnedK.load(folder)
+    _export_again(folder)
+    assert not (folder / "policy.safetensors").exists()  # the new policy does not use it; its copy is kept
+    (folder / "policy.prev.json").rename(folder / "policy.json")
+    restored = LearnedK.load(folder)
+    assert restored.meta["training_steps"] == before.meta["training_steps"]
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(restored.layers, before.layers))
