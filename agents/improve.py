@@ -55,10 +55,10 @@ def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, k: int, memo: dict) -
 
 def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
             episodes: dict[int, int], max_new_tokens: int, seed: int = 0, progress: bool = True,
-            follow: LengthPolicy | None = None) -> Dataset:
+            follow: LengthPolicy | None = None, context_lens: list[int] = ()) -> Dataset:
     """Q-regret labels (rollouts of `base`) on the states that `follow` visits (None: the improved policy,
     argmin Q): for each batch size b, `episodes[b]` episodes (one row: every trace once, in order, when
-    episodes >= the traces)."""
+    episodes >= the traces); with `context_lens` (simulated long contexts) the episodes cycle through them."""
     rng = np.random.default_rng(seed)
     obs, regret, batch = [], [], []
     plan = []
@@ -71,11 +71,12 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
             plan += [(b, [int(i) for i in rng.permutation(len(traces))[:b]]) if j >= len(groups) else (b, groups[j])
                      for j in range(n)]
     bar = tqdm(total=len(plan), desc="rollout labels", disable=not progress, file=sys.stderr)
-    for b, indices in plan:
+    for j, (b, indices) in enumerate(plan):
         env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[b],
                         max_new_tokens=max_new_tokens)
         memo = {id(t): t for t in traces} | {id(traces): traces, id(cost): cost}
-        o, _ = env.reset(options={"trace_indices": indices})
+        context = context_lens[j % len(context_lens)] if context_lens else 0
+        o, _ = env.reset(options={"trace_indices": indices, "context_len": context})
         base.reset()
         if follow is not None:
             follow.reset()
@@ -152,14 +153,14 @@ def mean_regret(policy: LengthPolicy, data: Dataset) -> float:
 
 def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
                    episodes: dict[int, int], max_new_tokens: int, rounds: int, hidden: list[int], activation: str,
-                   epochs: int = 200, seed: int = 0, progress: bool = True, log=None):
+                   epochs: int = 200, seed: int = 0, progress: bool = True, log=None, context_lens: list[int] = ()):
     """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
     under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
     (DAgger: the datasets are pooled) and refits. Returns (layers, normalisation, per-round history)."""
     data, policy, history, layers, norm = None, base, [], None, None
     for r in range(rounds):
         new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
-                      progress=progress, follow=None if r == 0 else policy)
+                      progress=progress, follow=None if r == 0 else policy, context_lens=context_lens)
         data = new if data is None else merge(data, new)
         layers, norm = fit(data, hidden, activation, epochs, seed=seed + r)
         fitted = as_policy(layers, norm, activation, k_max)

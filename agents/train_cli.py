@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.batch_table import BatchContextTableK
 from bench.benchmark import format_table, run_benchmark, summarize
 from bench.tune_cli import rules_policy, tune_rules
 from decoding.config import at_least, parse_config, parse_ints, warn
@@ -87,6 +88,9 @@ class TrainConfig:
     """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
     progress: bool = True
     """Show progress bars."""
+    allow_simulated: bool = False
+    """Train for a chip from a simulated cost profile (--profile PATH from profile_device.py --simulate): replay
+    env only, no GPU needed, the device need not be present; the exported policy records it."""
     n_envs: int = 1
     """Envs PPO steps at once: replay envs in N processes (one core each); real-loop envs one per visible GPU
     (each process loads the target on its GPU), or on the CPU N envs sharing this process's model."""
@@ -95,6 +99,22 @@ class TrainConfig:
 def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
     return (Path(cfg.profile) if cfg.profile else profile_path(device_key, draft_name),
             Path(cfg.traces) if cfg.traces else traces_path(draft_name))
+
+
+def _simulated_profile(cfg: TrainConfig) -> dict | None:
+    """The --profile when it is a simulated one (and --allow-simulated says so), else None."""
+    if not cfg.profile:
+        return None
+    profile = load_profile(cfg.profile)
+    if not profile.get("simulated"):
+        return None
+    if not cfg.allow_simulated:
+        raise SpecPilotError(f"{cfg.profile} is a SIMULATED profile; pass --allow-simulated to train on it (replay env only)")
+    if cfg.env not in ("auto", "replay"):
+        raise SpecPilotError(f"a simulated profile trains on the replay env only, not --env {cfg.env}")
+    if cfg.device not in ("auto", profile["device"]):
+        raise SpecPilotError(f"{cfg.profile} simulates '{profile['device']}', not --device {cfg.device}")
+    return profile
 
 
 def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
@@ -123,11 +143,11 @@ def _replay_data(cfg: TrainConfig, device_key: str, draft_name: str, train_ids: 
 
 def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
                    max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
-                   speed_jitter: float = 1.0):
+                   speed_jitter: float = 1.0, context_lens: list[int] = ()):
     traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
     return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)), hardware=hardware,
                              max_new_tokens=max_new_tokens, reward=reward, batch_sizes=batch_sizes,
-                             speed_jitter=speed_jitter)
+                             speed_jitter=speed_jitter, context_lens=context_lens)
 
 
 def _best_rule(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
@@ -153,17 +173,25 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
                 batch_sizes: list[int], out: Path):
     """Rollout policy improvement from the best engine rule tuned on the train split (agents.improve):
     (layers, normalisation) for PPO to start from, and its history."""
-    base, traces, cost, hardware = _best_rule(cfg, hp, device_key, draft_name, train_ids, torch_device, batch_sizes, out)
     k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
+    contexts = [int(c) for c in hp.get("context_lens") or []]
+    if hp.get("warm_start_base", "best-rule") == "batch-context-table":  # from the profile: no rule tuning
+        traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
+        traces = [truncate(t, budget) for t in traces]
+        base = BatchContextTableK.from_profile(profile, traces, k_max, contexts or [profile["context_lens"][0]])
+        what = f"the batch x context table from the profile ({len(base.table)} cells)"
+    else:
+        base, traces, cost, hardware = _best_rule(cfg, hp, device_key, draft_name, train_ids, torch_device, batch_sizes, out)
+        what = f"the best tuned rule ({', '.join(f'B={b} {s}' for b, s in base.table.items())})"
     episodes = hp["rollout_episodes"]
     episodes = {int(b): int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes)
                 for b in batch_sizes}
-    print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from the best "
-          f"tuned rule ({', '.join(f'B={b} {s}' for b, s in base.table.items())})", file=sys.stderr)
+    print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from {what}",
+          file=sys.stderr)
     layers, norm, history = improve_policy(
         base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
         list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=cfg.seed, progress=cfg.progress,
-        log=lambda m: print(f"specpilot: {m}", file=sys.stderr))
+        log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts)
     return (layers, norm), history
 
 
@@ -199,8 +227,15 @@ def plan_steps(cfg: TrainConfig, hp: dict, mode: str) -> dict[str, int]:
 
 def train_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
-    device = resolve(cfg.device)
-    device_key, hardware_name, torch_device = device.key, device.name, device.torch
+    simulated = _simulated_profile(cfg)
+    if simulated is not None:  # a chip that need not be here: replay only, the models stay on the CPU
+        device_key, hardware_name, torch_device = simulated["device"], simulated["hardware_name"], "cpu"
+        cfg.env, cfg.eval_per_category = "replay", 0
+        print(f"specpilot: SIMULATED profile {cfg.profile}: training for {hardware_name} on the replay env only",
+              file=sys.stderr)
+    else:
+        device = resolve(cfg.device)
+        device_key, hardware_name, torch_device = device.key, device.name, device.torch
     hp = load_hyperparams(device_key, cfg.hp)
     k_max = int(hp["k_max"])
     if cfg.batch_sizes:
@@ -216,7 +251,9 @@ def train_main(argv: list[str] | None = None) -> int:
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     speed_path = run_dir / "plain_speed.json"
-    if cfg.resume and speed_path.exists():
+    if cfg.env == "replay":  # only the real-loop env needs the measured plain speed
+        plain_speed = None
+    elif cfg.resume and speed_path.exists():
         plain_speed = PlainSpeed.load(speed_path)
     else:
         plain_speed = measure_plain_speed(target, target.encode(train_prompts[0].text, chat=True),
@@ -251,7 +288,7 @@ def train_main(argv: list[str] | None = None) -> int:
         def replay_env_fn(sizes: list[int]):
             one = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
                                  int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), sizes,
-                                 float(hp["replay_speed_jitter"]))
+                                 float(hp["replay_speed_jitter"]), [int(c) for c in hp.get("context_lens") or []])
             return EnvFns([one] * cfg.n_envs, subprocess=True)
 
         replay_fn = replay_env_fn(batch_sizes)
@@ -262,7 +299,7 @@ def train_main(argv: list[str] | None = None) -> int:
             phases.append(("replay-warmup", replay_env_fn(warmup_sizes), warmup, every))
         phases.append(("replay", replay_fn, budget["replay"], every))
         probe = replay_fn[0]()
-        warn(probe.cost.outside(batch_sizes, max(len(t.prompt_ids) + len(t.output_ids) for t in probe.traces)))
+        warn(probe.cost.outside(batch_sizes, max(probe.context_lens or [0]) + max(len(t.prompt_ids) + len(t.output_ids) for t in probe.traces)))
         print(f"specpilot: replay env runs {replay_steps_per_second(probe):,.0f} env steps/s "
               "(random actions, this process)", file=sys.stderr)
     if mode in ("real", "both"):
@@ -294,7 +331,10 @@ def train_main(argv: list[str] | None = None) -> int:
     phases = [p for p in phases if p[2] > 0]
     run_config = {"device": device_key, "hardware_name": hardware_name, "target": target.name,
                   "draft": draft.name, **{k: v for k, v in asdict(cfg).items() if k not in ("hp",)}}
-    provenance = {"target": target.name, "draft": draft.name, "max_new_tokens": int(hp["max_new_tokens"]),
+    provenance = {"target": target.name if simulated is None else simulated["target"], "draft": draft.name,
+                  "simulated": simulated is not None, "profile": relative(cfg.profile) if cfg.profile else None,
+                  "context_lens": [int(c) for c in hp.get("context_lens") or []],
+                  "max_new_tokens": int(hp["max_new_tokens"]),
                   "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
                   "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed,
                   "env": mode, "hyperparams": hp, "warm_start": warm_history}

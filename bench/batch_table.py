@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 
 from decoding.errors import SpecPilotError
-from decoding.policies import LengthPolicy, at_or_below, batch_of
+from decoding.policies import LengthPolicy, at_or_below, batch_of, context_of
 from env.oracle import CostModel, Trace
 from env.replay_env import ReplayEnv
 
@@ -51,14 +51,78 @@ class BatchTableK(LengthPolicy):
         return self.k_for(batch_of(obs))
 
     @classmethod
-    def from_profile(cls, profile: dict, traces: list[Trace], k_max: int) -> "BatchTableK":
+    def from_profile(cls, profile: dict, traces: list[Trace], k_max: int, contexts: list[int] | None = None) -> "BatchTableK":
+        """Per profiled batch size, the k of the best goodput at the profile's batch context, or (with
+        `contexts`, the context lengths the traffic has) of the best goodput over them all (mean seconds)."""
         cost = CostModel.from_profile(profile)
         sizes = profile.get("batch_sizes") or [1]
         context = profile.get("batch_context_len") or profile["context_lens"][0]
-        goodput = goodput_table(cost, traces, min(k_max, cost.k_max), context, sizes)
+        if contexts:
+            tables = [goodput_table(cost, traces, min(k_max, cost.k_max), c, sizes) for c in contexts]
+            goodput = {b: 1.0 / np.mean([1.0 / t[b] for t in tables], axis=0) for b in sizes}
+        else:
+            goodput = goodput_table(cost, traces, min(k_max, cost.k_max), context, sizes)
         policy = cls({b: int(np.argmax(g)) for b, g in goodput.items()}, k_max)
         policy.goodput = {b: g.round(3).tolist() for b, g in goodput.items()}
         return policy
+
+
+class BatchContextTableK(LengthPolicy):
+    """The per-batch-size table with a context-length axis (vLLM PR 48944's 5-item entries
+    [start_bs, end_bs, start_ctx, end_ctx, k]): per (batch size, context length) cell the k of the best
+    profiled goodput; a point between cells takes the cell at or below it in both."""
+
+    name = "batch-context-table"
+
+    def __init__(self, table: dict[tuple[int, int], int], k_max: int):
+        if not table:
+            raise SpecPilotError("BatchContextTableK needs at least one (batch size, context, k) entry")
+        self.table = {(int(b), int(c)): int(k) for (b, c), k in sorted(table.items())}
+        self.batches = sorted({b for b, _ in self.table})
+        self.contexts = sorted({c for _, c in self.table})
+        self.k_max = k_max
+
+    def k_for(self, batch: int, context: int) -> int:
+        b = max([x for x in self.batches if x <= batch] or self.batches[:1])
+        c = max([x for x in self.contexts if x <= context] or self.contexts[:1])
+        return self.table[(b, c)]
+
+    def choose_k(self, obs) -> int:
+        return self.k_for(batch_of(obs), context_of(obs))
+
+    @classmethod
+    def from_profile(cls, profile: dict, traces: list[Trace], k_max: int, contexts: list[int]) -> "BatchContextTableK":
+        cost = CostModel.from_profile(profile)
+        sizes = profile.get("batch_sizes") or [1]
+        table = {}
+        for c in contexts:
+            for b, g in goodput_table(cost, traces, min(k_max, cost.k_max), c, sizes).items():
+                table[(b, c)] = int(np.argmax(g))
+        return cls(table, k_max)
+
+    def vllm_entries(self, max_batch: int, max_context: int) -> list[list[int]]:
+        """[[start_bs, end_bs, start_ctx, end_ctx, k], ...] (inclusive) covering 1..max_batch x 0..max_context."""
+        entries = []
+        contexts = self.contexts + [max_context + 1]
+        for lo, hi in zip(contexts, contexts[1:]):
+            start = 0 if lo == self.contexts[0] else lo
+            for b0, b1, k in vllm_ranges({b: self.k_for(b, lo) for b in range(1, max_batch + 1)}, max_batch):
+                entries.append([b0, b1, start, hi - 1, k])
+        return entries
+
+
+def trtllm_schedule(k_by_batch: dict[int, int]) -> dict[int, int]:
+    """TensorRT-LLM's `draft_len_schedule` {batch size: k} for a table whose k holds from its batch size up to
+    the next one: a key covers the batch sizes up to it, above the largest key speculation is off (so a
+    table that drafts at its largest batch size stops drafting above it)."""
+    schedule: dict[int, int] = {}
+    sizes = sorted(k_by_batch)
+    for i, b in enumerate(sizes):
+        k = k_by_batch[b]
+        last = i + 1 == len(sizes)
+        if k > 0 and (last or k_by_batch[sizes[i + 1]] != k):
+            schedule[b if last else sizes[i + 1] - 1] = k  # our table holds k up to the next size
+    return schedule
 
 
 def vllm_ranges(k_by_batch: dict[int, int], max_batch: int) -> list[list[int]]:

@@ -10,13 +10,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoding.config import at_least, parse_config, parse_ints
+from decoding.errors import SpecPilotError
 from decoding.hardware import resolve
 from decoding.models import ModelDrafter, load_draft, load_target, random_init_target
 from decoding.paths import slug, traces_path
 from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import load_prompts
 from env.oracle import load_traces, record_trace, save_traces
+from env.oracle import load_profile
 from env.profile import profile_costs
+from env.simulate import compare_profiles, save_profile, simulate_profile
 
 from .plots import plot_profile
 
@@ -61,12 +64,25 @@ class ProfileConfig:
     """Folder for <device>.json, <device>.png and the traces."""
     progress: bool = True
     """Show a progress bar."""
+    simulate: str | None = None
+    """a100 | h100 | h200 | l4: write a simulated profile of that chip (a roofline model, env/simulate.py) for
+    --target-config verifying --draft-config drafts (or n-gram drafts without it), at --simulate-batch-sizes
+    x --simulate-context-lens; no model runs, no GPU needed. Written as OUT/DEVICE-simulated.json."""
+    simulate_batch_sizes: str = "1,2,4,8,16,32,64,128,256"
+    """Batch sizes of a simulated profile."""
+    simulate_context_lens: str = "128,512,1024,2048,4096,8192,16384,32768"
+    """Context lengths of a simulated profile."""
+    compare: str | None = None
+    """With --simulate: a measured profile of the same chip (scripts/gpu_check.sh writes one) to compare with
+    the simulated one cell by cell (measured / simulated seconds)."""
 
 
 def profile_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(ProfileConfig, argv)
     at_least(1, repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
     at_least(0, k_max=cfg.k_max)
+    if cfg.simulate:
+        return _simulate(cfg)
     device = resolve(cfg.device)
     device_key, hardware_name, torch_device = device.key, device.name, device.torch
     lens = parse_ints(cfg.context_lens, "--context-lens")
@@ -111,6 +127,34 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
     for b, row, d in zip(profile.get("batch_sizes", []), profile.get("batch_verify_s", []), profile.get("batch_draft_s_per_token", [])):
         print(f"  batch {b:>3} (context {profile['batch_context_len']}): verify ms for k=0..{cfg.k_max}: "
               + " ".join(f"{1000 * s:.1f}" for s in row) + f" | draft ms/position {1000 * d:.2f}")
+
+
+def _simulate(cfg) -> int:
+    if not cfg.target_config:
+        raise SpecPilotError("--simulate needs --target-config (the target's shape, e.g. configs/llama-3.1-8b)")
+    profile = simulate_profile(cfg.simulate.strip().lower(), cfg.target_config, cfg.draft_config, cfg.k_max,
+                               parse_ints(cfg.simulate_batch_sizes, "--simulate-batch-sizes"),
+                               parse_ints(cfg.simulate_context_lens, "--simulate-context-lens"))
+    path = save_profile(profile, Path(cfg.out) / f"{profile['device']}-simulated.json")
+    grid = profile["grid"]
+    print(f"SIMULATED cost profile of {profile['hardware_name']}: {path} (roofline model, not a measurement)")
+    for b_i, b in enumerate(grid["batch_sizes"]):
+        cells = []
+        for c_i, c in enumerate(grid["context_lens"]):
+            row = grid["verify_s"][b_i][c_i]
+            cells.append(f"{c}:{1000 * row[0]:.1f}ms/{row[-1] / row[0]:.2f}")
+        print(f"  B={b:<4} plain step ms / verify(k={cfg.k_max}) ratio at context " + " ".join(cells))
+    if cfg.compare:
+        rows = compare_profiles(profile, load_profile(cfg.compare))
+        if not rows:
+            raise SpecPilotError(f"{cfg.compare} shares no (context, batch) cell with the simulated profile")
+        print(f"measured {cfg.compare} / simulated, cell by cell (batch, context, k: ratio):")
+        for r in rows:
+            print(f"  B={r['batch']:<4} context {r['context']:<6} k={r['k']}: {r['measured_s'] * 1000:.2f} ms measured, "
+                  f"{r['simulated_s'] * 1000:.2f} ms simulated, ratio {r['ratio']:.2f}")
+        ratios = [r["ratio"] for r in rows]
+        print(f"  ratio median {sorted(ratios)[len(ratios) // 2]:.2f}, range {min(ratios):.2f}-{max(ratios):.2f}")
+    return 0
 
 
 def _record_traces(cfg, target, draft, out: Path) -> None:

@@ -122,10 +122,11 @@ class ObservationBuilder:
         i += 4
         self._keys = []
         # a batch is described by the mean over its active rows (one sequence: that sequence)
-        rows = state.active_rows if getattr(state, "batch_size", 1) > 1 else [state]
-        ids = state.active if len(rows) > 1 else [0]
+        # the rows' own ids: a batch's last running row need not be row 0 (after the last step: every row)
+        ids = list(state.active) or list(range(len(state.rows)))
+        rows = [state.rows[i] for i in ids]
         n = len(rows)
-        v[i] = sum(math.log1p(r.length) for r in rows) / n
+        v[i] = sum(math.log1p(r.length + getattr(r, "context_offset", 0)) for r in rows) / n  # (a replay row's simulated context)
         v[i + 1] = sum(r.remaining / r.max_new_tokens for r in rows) / n
         v[i + 2] = self.confidence_last
         v[i + 3] = self.confidence_min
@@ -138,7 +139,7 @@ class ObservationBuilder:
         behind = [j for j, left in enumerate(remaining) if left == most]
         peek = getattr(getattr(state, "draft", None), "peek", None)
         if peek is not None:
-            peeks = [peek(r.context, self.k_max) if n == 1 else peek(r.context, self.k_max, row) for r, row in zip(rows, ids)]
+            peeks = [peek(r.context, self.k_max, row) for r, row in zip(rows, ids)]
             v[i + 5] = sum(m for m, _ in peeks) / n
             v[i + 6] = sum(a for _, a in peeks) / n / self.k_max
             v[i + 9] = sum(peeks[j][1] for j in behind) / len(behind) / self.k_max

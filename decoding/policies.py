@@ -118,7 +118,13 @@ def batch_of(obs) -> int:
     return max(1, int(round(math.exp(float(obs[_BATCH])))))
 
 
+def context_of(obs) -> int:
+    """The context length an observation describes (its `context_len_log` feature; a batch's mean of logs)."""
+    return max(0, int(round(math.expm1(float(obs[_CONTEXT])))))
+
+
 _BATCH = FEATURES.index("batch_size_log")
+_CONTEXT = FEATURES.index("context_len_log")
 
 
 class SGLangAdaptiveK(LengthPolicy):

@@ -131,7 +131,7 @@ class CostModel:
 
     def __init__(self, context_lens: list[int], verify_s: list[list[float]], draft_s_per_token: list[float],
                  batch_sizes: list[int] | None = None, batch_verify_s: list[list[float]] | None = None,
-                 batch_draft_s: list[float] | None = None):
+                 batch_draft_s: list[float] | None = None, grid: dict | None = None):
         self.context_lens = np.asarray(context_lens, dtype=np.float64)
         self.verify_s = np.asarray(verify_s, dtype=np.float64)
         self.draft_s = np.asarray(draft_s_per_token, dtype=np.float64)
@@ -148,6 +148,29 @@ class CostModel:
         else:
             self.batch_scale = np.ones((1, self.k_max + 1))
             self.batch_draft_scale = np.ones(1)
+        # a full batch x context grid (simulated profiles): cost(b, k, c) looked up in it directly, since on a
+        # GPU the KV cache makes the batch and context effects interact (no one scale per batch size)
+        self.grid = None
+        if grid:
+            self.grid = (np.log(np.asarray(grid["batch_sizes"], dtype=np.float64)),
+                         np.asarray(grid["context_lens"], dtype=np.float64),
+                         np.asarray(grid["verify_s"], dtype=np.float64)[:, :, : self.k_max + 1],
+                         np.asarray(grid["draft_s_per_token"], dtype=np.float64))
+            self.batch_sizes = list(grid["batch_sizes"])
+
+    def _grid_costs(self, context: float, batch: int) -> tuple[np.ndarray, float]:
+        """(verify seconds for k = 0..k_max, draft seconds per token), bilinear in log(batch) and context."""
+        log_b, contexts, verify, draft = self.grid
+        x = np.log(batch)
+        i = int(np.clip(np.searchsorted(log_b, x) - 1, 0, max(0, len(log_b) - 2)))
+        wb = 0.0 if len(log_b) == 1 else float(np.clip((x - log_b[i]) / (log_b[i + 1] - log_b[i]), 0.0, 1.0))
+        rows = [verify[i]] if len(log_b) == 1 else [verify[i], verify[i + 1]]
+        drafts = [draft[i]] if len(log_b) == 1 else [draft[i], draft[i + 1]]
+        at = [np.array([np.interp(context, contexts, row[:, k]) for k in range(self.k_max + 1)]) for row in rows]
+        d = [float(np.interp(context, contexts, row)) for row in drafts]
+        if len(at) == 1:
+            return at[0], d[0]
+        return (1 - wb) * at[0] + wb * at[1], (1 - wb) * d[0] + wb * d[1]
 
     @property
     def max_batch(self) -> int:
@@ -171,6 +194,9 @@ class CostModel:
     def step_costs(self, context_len: int, batch: int = 1) -> tuple[np.ndarray, float]:
         """(step seconds for k = 0..k_max, draft seconds per token) at this context length and batch size."""
         key = (int(context_len) // self.BUCKET, int(batch))
+        if key not in self._buckets and self.grid is not None:
+            verify, draft = self._grid_costs(key[0] * self.BUCKET + self.BUCKET // 2, batch)
+            self._buckets[key] = (verify + draft * np.arange(self.k_max + 1), draft)
         if key not in self._buckets:
             c = key[0] * self.BUCKET + self.BUCKET // 2
             draft = float(np.interp(c, self.context_lens, self.draft_s))
@@ -199,7 +225,8 @@ class CostModel:
     @classmethod
     def from_profile(cls, profile: dict) -> "CostModel":
         return cls(profile["context_lens"], profile["verify_s"], profile["draft_s_per_token"],
-                   profile.get("batch_sizes"), profile.get("batch_verify_s"), profile.get("batch_draft_s_per_token"))
+                   profile.get("batch_sizes"), profile.get("batch_verify_s"), profile.get("batch_draft_s_per_token"),
+                   profile.get("grid"))
 
     def table(self, context_len: int) -> np.ndarray:
         """Step seconds for k = 0..k_max at this context length (one sequence)."""
@@ -209,15 +236,16 @@ class CostModel:
         return verify + draft * np.arange(self.k_max + 1)
 
 
-def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None) -> tuple[float, list[int]]:
-    """(minimum total seconds, k chosen at each position of the optimal path)."""
+def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None, context_offset: int = 0) -> tuple[float, list[int]]:
+    """(minimum total seconds, k chosen at each position of the optimal path); `context_offset` simulated
+    tokens sit before the prompt (the replay env's `context_len`)."""
     k_max = min(k_max if k_max is not None else trace.k_max, cost.k_max, trace.k_max)
     n = len(trace.output_ids)
     n_prompt = len(trace.prompt_ids)
     best = np.zeros(n + 1)
     choice = np.zeros(n, dtype=np.int64)
     for i in range(n - 1, -1, -1):
-        t = cost.step_costs(n_prompt + i)[0]
+        t = cost.step_costs(context_offset + n_prompt + i)[0]
         top = min(k_max, n - i - 1)
         best_value, best_k = np.inf, 0
         for k in range(top + 1):

@@ -64,6 +64,8 @@ class ReplayRow(RowView):
     end: int
     """Tokens this row generates (its trace's length within the budget); `max_new_tokens` is the budget."""
     done: bool = False
+    context_offset: int = 0
+    """Simulated tokens before the prompt: the row's context is context_offset + length."""
 
 
 @dataclass
@@ -85,7 +87,8 @@ class ReplayEnv(gym.Env):
 
     def __init__(self, traces: list[Trace], cost: CostModel, k_max: int = 8, noise: float = 0.05,
                  hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved",
-                 batch_sizes: tuple[int, ...] | list[int] = (1,), speed_jitter: float = 1.0):
+                 batch_sizes: tuple[int, ...] | list[int] = (1,), speed_jitter: float = 1.0,
+                 context_lens: tuple[int, ...] | list[int] = ()):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
@@ -101,6 +104,9 @@ class ReplayEnv(gym.Env):
         if speed_jitter < 1.0:
             raise SpecPilotError(f"speed_jitter is a factor >= 1 (1 = off), got {speed_jitter}")
         self.speed_jitter, self.speed = float(speed_jitter), 1.0
+        # simulated context lengths (e.g. a GPU profile's 4k-32k): an episode draws one, each row's context starts
+        # there (its trace's tokens after it); the cost is taken at that context, the acceptance from the trace
+        self.context_lens = [int(c) for c in context_lens]
         monitor = FixedMonitor(hardware if hardware is not None else np.zeros(len(HW_FEATURES), dtype=np.float32))
         self.observer = ObservationBuilder(k_max, monitor=monitor)
         self.credit = PlainCredit(lambda context, batch: self.speed * float(cost.step_costs(context, batch)[0][0]))
@@ -125,6 +131,10 @@ class ReplayEnv(gym.Env):
                 self.batch_sizes[0] if len(self.batch_sizes) == 1 else int(self.np_random.choice(self.batch_sizes)))
             indices = [int(i) for i in self.np_random.integers(len(self.traces), size=batch)]
         rows = [self._row(self.traces[i]) for i in indices]
+        context = int(options.get("context_len", 0)) or (
+            int(self.np_random.choice(self.context_lens)) if self.context_lens else 0)
+        for r in rows:
+            r.context_offset = max(0, context - r.prompt_len)
         if self.speed_jitter > 1.0:
             self.speed = float(self.speed_jitter ** self.np_random.uniform(-1.0, 1.0))
         self.trace = rows[0].trace
@@ -150,7 +160,7 @@ class ReplayEnv(gym.Env):
             drafted_rows.append(drafted)
             accepted_rows.append(min(drafted, r.trace.matches[i]))
         drafted = max(drafted_rows)  # rows with fewer proposals are padded to the widest
-        context = sum(r.length for r in rows) / batch
+        context = sum(r.length + r.context_offset for r in rows) / batch
         table, draft_per_token = self.cost.step_costs(context, batch)
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         noise *= self.speed
@@ -200,9 +210,10 @@ def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -
     return steps / (time.perf_counter() - t0)
 
 
-def replay_episode(env: ReplayEnv, policy, trace_indices: list[int]) -> EpisodeStats:
-    """One replayed batch of these traces under `policy` (reset, then choose_k / update every step)."""
-    obs, _ = env.reset(options={"trace_indices": trace_indices})
+def replay_episode(env: ReplayEnv, policy, trace_indices: list[int], context_len: int = 0) -> EpisodeStats:
+    """One replayed batch of these traces under `policy` (reset, then choose_k / update every step), its rows'
+    contexts starting at `context_len` when it is given (a simulated long context)."""
+    obs, _ = env.reset(options={"trace_indices": trace_indices, "context_len": context_len})
     policy.reset()
     done = False
     while not done:
@@ -213,13 +224,14 @@ def replay_episode(env: ReplayEnv, policy, trace_indices: list[int]) -> EpisodeS
 
 def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max: int,
                     hardware: np.ndarray | None = None, batch_size: int = 1,
-                    max_new_tokens: int | None = None) -> dict[str, dict]:
+                    max_new_tokens: int | None = None, context_len: int = 0) -> dict[str, dict]:
     """Noise-free speedup over plain decoding of each policy on the traces, by the device's cost model.
 
     The same replay env PPO pre-trains on, without noise: a policy's number here depends only on its
     choices, so policies (and the oracle, which the replay reproduces exactly) compare free of timing
     noise. With batch_size B the traces are replayed B at a time (consecutive groups) as batches.
     `max_new_tokens`: the generation budget the rows see (as in the real loop; default: each trace's length).
+    `context_len`: the rows' simulated context (their traces' tokens after it; 0 = the prompts' own).
     """
 
     env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size],
@@ -234,7 +246,7 @@ def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max:
         for group in groups:
             if hasattr(policy, "prepare"):
                 policy.prepare(traces[group[0]].question_id)
-            replay_episode(env, policy, group)
+            replay_episode(env, policy, group, context_len)
             seconds += env.episode.seconds
             plain += env.episode.plain_seconds
             drafted += env.episode.drafted

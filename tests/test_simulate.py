@@ -1,0 +1,96 @@
+"""Simulated GPU cost profiles: the published qualitative facts on the A100 model, the batch x context grid
+in the cost model and the replay env, the context-axis tables and their exports, and the guard rails."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.batch_table import BatchContextTableK, trtllm_schedule
+from decoding.errors import SpecPilotError
+from env.oracle import CostModel, Trace, oracle_schedule
+from env.replay_env import ReplayEnv
+from env.simulate import CHIPS, Shape, forward_seconds, simulate_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = str(ROOT / "configs" / "llama-3.1-8b")
+
+
+def best_k(profile, batch, context, accept=0.6, k_max=8):
+    """The k of the best goodput for a draft whose tokens are each accepted with probability `accept`."""
+    tokens = np.array([(1 - accept ** (k + 1)) / (1 - accept) for k in range(k_max + 1)])
+    seconds = CostModel.from_profile(profile).step_costs(context, batch)[0]
+    return int(np.argmax(tokens / seconds)), float((tokens / seconds).max() / (tokens[0] / seconds[0]))
+
+
+@pytest.fixture(scope="module")
+def a100():
+    return simulate_profile("a100", TARGET, None, 8, [1, 2, 4, 8, 16, 32, 64, 128, 256], [128, 512, 4096, 16384, 32768])
+
+
+def test_the_a100_model_reproduces_the_published_facts(a100):
+    k1, gain1 = best_k(a100, 1, 512)
+    assert k1 >= 4 and gain1 > 1.5  # speculation pays at one row (decode is memory-bound)
+    ks = [best_k(a100, b, 512)[0] for b in (1, 8, 32, 128)]
+    assert ks == sorted(ks, reverse=True) and ks[-1] < ks[0]  # the best k falls as the batch grows
+    assert best_k(a100, 256, 128)[0] == 0  # and speculation stops paying at large batch, short context
+    assert best_k(a100, 128, 16384)[0] > best_k(a100, 128, 512)[0]  # at large batch the best k rises with context
+    assert a100["simulated"] is True and "simulated" in a100["hardware_name"]
+
+
+def test_roofline_numbers():
+    shape = Shape.from_config(TARGET)
+    assert 7.9e9 < shape.params < 8.1e9 and shape.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    # one row at a short context: 15 GB of matmul weights (the embedding table is not read whole) at 75% of
+    # 2.04 TB/s, 9.8 ms, plus 32 layers x 10 us of launches
+    assert 7.4e9 < shape.matmul_params < 7.6e9
+    assert forward_seconds(shape, CHIPS["a100"], 1, 1, 128) == pytest.approx(0.0101, abs=2e-4)
+    # at B = 256 and 9 tokens a row the matmuls are compute-bound: 2 x 7.5e9 x 2304 flops at 60% of 312 TFLOP/s
+    assert forward_seconds(shape, CHIPS["a100"], 256, 9, 128) == pytest.approx(0.185, rel=0.05)
+    with pytest.raises(SpecPilotError, match="known chips"):
+        simulate_profile("tpu", TARGET, None, 4, [1], [128])
+
+
+def test_cost_model_reads_the_grid_where_batch_and_context_interact(a100):
+    cost = CostModel.from_profile(a100)
+    grid = np.array(a100["grid"]["verify_s"])
+    b, c = a100["grid"]["batch_sizes"].index(128), a100["grid"]["context_lens"].index(16384)
+    assert cost.step_costs(16384 + 16, 128)[0] == pytest.approx(grid[b, c], rel=1e-3)
+    between = cost.step_costs(16384, 90)[0][0]
+    assert grid[b - 1, c, 0] < between < grid[b, c, 0]
+
+
+def test_replay_rows_sit_at_the_simulated_context(a100):
+    trace = Trace("q", "c", list(range(20)), list(range(20, 40)), [1] * 20, [4] * 20, match_lens=[2] * 20, k_max=8)
+    cost = CostModel.from_profile(a100)
+    env = ReplayEnv([trace], cost, k_max=8, noise=0.0, batch_sizes=[1])
+    env.reset(options={"trace_index": 0, "context_len": 16384})
+    _, _, _, _, info = env.step(0)
+    assert info["seconds"] == pytest.approx(cost.step_costs(16384, 1)[0][0])
+    best_long, _ = oracle_schedule(trace, cost, 8, context_offset=16384 - 20)
+    best_short, _ = oracle_schedule(trace, cost, 8)
+    assert best_long > best_short
+
+
+def test_context_table_and_its_engine_exports(a100):
+    trace = Trace("q", "c", [1, 2], [3] * 40, [2, 0, 4, 1] * 10, [8] * 40, k_max=8)
+    table = BatchContextTableK.from_profile(a100, [trace], 8, [512, 16384])
+    assert table.k_for(128, 16384) > table.k_for(128, 512)
+    entries = table.vllm_entries(256, 32767)
+    assert all(len(e) == 5 for e in entries) and entries[0][:3] == [1, entries[0][1], 0]
+    covered = {(b, c) for b0, b1, c0, c1, _ in entries for b in (b0, b1) for c in (c0, c1)}
+    assert (256, 32767) in covered and (1, 0) in covered
+    assert trtllm_schedule({1: 4, 2: 4, 4: 3, 8: 3, 16: 0}) == {3: 4, 15: 3}  # k = 0 above the largest key
+
+
+def test_training_on_a_simulated_profile_needs_allow_simulated(tmp_path, a100):
+    from agents.train_cli import train_main
+
+    path = tmp_path / "a100-simulated.json"
+    path.write_text(json.dumps(a100))
+    with pytest.raises(SpecPilotError, match="pass --allow-simulated"):
+        train_main(["--device", "a100", "--profile", str(path), "--no-track"])
+    with pytest.raises(SpecPilotError, match="replay env only"):
+        train_main(["--device", "a100", "--profile", str(path), "--allow-simulated", "--env", "real", "--no-track"])
