@@ -139,7 +139,7 @@ def vllm_ranges(k_by_batch: dict[int, int], max_batch: int) -> list[list[int]]:
 
 def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, max_batch: int,
                     hardware=None, episodes: int = 8, seed: int = 0,
-                    max_new_tokens: int | None = None) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
+                    max_new_tokens: int | None = None, context_len: int = 0) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
     """Query a policy on representative observations per batch size: run it in the noise-free replay
     env (the observation builder of training and inference) on `episodes` batches of recorded traces
     at each batch size 1..max_batch and keep its mean k, rounded; `max_new_tokens` is the rows' budget
@@ -152,7 +152,7 @@ def policy_to_table(policy: LengthPolicy, traces: list[Trace], cost: CostModel, 
     for b in range(1, max_batch + 1):
         tally: Counter = Counter()
         for _ in range(episodes):
-            obs, _ = env.reset(options={"trace_indices": rng.integers(len(traces), size=b).tolist()})
+            obs, _ = env.reset(options={"trace_indices": rng.integers(len(traces), size=b).tolist(), "context_len": context_len})
             policy.reset()
             done = False
             while not done:

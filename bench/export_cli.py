@@ -6,11 +6,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.config import parse_config, warn
+from decoding.config import parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.hardware import resolve_device
 from decoding.models import draft_name
-from decoding.paths import policy_dir, profile_path, relative, traces_path
+from decoding.paths import atomic_write_text, policy_dir, profile_path, relative, traces_path
 from decoding.policies import parse_policy, resolve_k_max
 from env.oracle import (
     CostModel,
@@ -20,7 +20,7 @@ from env.oracle import (
     train_traces,
 )
 
-from .batch_table import BatchTableK, policy_to_table, vllm_ranges
+from .batch_table import BatchContextTableK, BatchTableK, policy_to_table, trtllm_schedule, vllm_ranges
 
 
 @dataclass
@@ -47,7 +47,11 @@ class ExportVllmConfig:
     allow_device_mismatch: bool = False
     """Accept a learned policy trained on another device."""
     out: str | None = None
-    """JSON file to write (default: policies/DEVICE/DRAFT/vllm_table.json, beside the policy)."""
+    """JSON file to write (default: policies/DEVICE/DRAFT/vllm_table.json, beside the policy); the TensorRT-LLM
+    draft_len_schedule goes beside it (trtllm_schedule.json)."""
+    context_lens: str = ""
+    """Add a context-length axis at these lengths (e.g. 512,4096,16384): 5-item entries [start_bs, end_bs,
+    start_ctx, end_ctx, k] (vLLM PR 48944), the policy queried with its rows at each length."""
 
 
 def export_vllm_main(argv: list[str] | None = None) -> int:
@@ -84,9 +88,22 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
         "note": "inclusive [start_bs, end_bs, k] ranges; k = the policy's mean choice (rounded) at that batch size "
                 "on replayed train-split traces (speculative_config.num_speculative_tokens_per_batch_size)",
     }
+    if cfg.context_lens:
+        contexts = parse_ints(cfg.context_lens, "--context-lens")
+        by_cell = {}
+        for c in contexts:
+            chosen_c, _ = policy_to_table(policy, traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_batch,
+                                          hardware, cfg.episodes, max_new_tokens=budget, context_len=c)
+            by_cell.update({(b, c): k for b, k in chosen_c.items()})
+        result["num_speculative_tokens_per_batch_size_and_context"] = BatchContextTableK(by_cell, cfg.k_max).vllm_entries(
+            cfg.max_batch, max(contexts) * 2 - 1)
     out = Path(cfg.out) if cfg.out else policy_dir(device, draft_name(cfg.draft)) / "vllm_table.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+    schedule = {"draft_len_schedule": {str(b): k for b, k in trtllm_schedule(chosen).items()},
+                "note": "TensorRT-LLM: batch size -> draft length, a key covering the sizes up to it; above the largest "
+                        f"key speculation is off. From {result['policy']} on {device}.",
+                "device": device, "draft": meta.get("draft")}
+    atomic_write_text(out.with_name("trtllm_schedule.json"), json.dumps(schedule, indent=1) + "\n")
     print(json.dumps({"num_speculative_tokens": result["num_speculative_tokens"],
                       "num_speculative_tokens_per_batch_size": ranges}))
     print(f"written: {out}")

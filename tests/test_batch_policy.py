@@ -150,6 +150,13 @@ def test_export_vllm_table_cli(tmp_path, capsys):
     # the ranges tile 1..max_batch with ints
     assert ranges[0][0] == 1 and ranges[-1][1] == 20
     assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
+    # TensorRT-LLM's schedule beside it: k up to the last size that drafts, off above
+    assert json.loads((tmp_path / "trtllm_schedule.json").read_text())["draft_len_schedule"] == {"15": K_MAX}
+    code = run_cli(export_vllm_main, ["--policy", "batch-table", "--device", "cpu", "--profile", str(profile_path),
+                                      "--traces", str(traces_path), "--k-max", str(K_MAX), "--max-batch", "20",
+                                      "--episodes", "2", "--out", str(out), "--context-lens", "64,512"])
+    entries = json.loads(out.read_text())["num_speculative_tokens_per_batch_size_and_context"]
+    assert all(len(e) == 5 for e in entries) and {(e[2], e[3]) for e in entries} == {(0, 511), (512, 1023)}
     code = run_cli(export_vllm_main, ["--policy", "batch-table", "--device", "cpu", "--profile", str(tmp_path / "none.json")])
     assert code == 2 and "cost profile not found" in capsys.readouterr().err
 
