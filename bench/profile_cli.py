@@ -21,6 +21,7 @@ from env.oracle import load_profile
 from env.profile import profile_costs
 from env.simulate import compare_profiles, save_profile, simulate_profile
 
+from .load import LOADS, background_load
 from .plots import plot_profile
 
 
@@ -72,6 +73,10 @@ class ProfileConfig:
     """Batch sizes of a simulated profile."""
     simulate_context_lens: str = "128,512,1024,2048,4096,8192,16384,32768"
     """Context lengths of a simulated profile."""
+    background_load: str = "none"
+    """Profile under a background load the command starts and stops itself: none | compute (one core of
+    matrix multiplies) | memory (a stream of large copies) | both (bench/load.py); the profile is written as
+    DEVICE[-DRAFT]-load-KIND.json and records the load and the counters as they read under it."""
     compare: str | None = None
     """With --simulate: a measured profile of the same chip (scripts/gpu_check.sh writes one) to compare with
     the simulated one cell by cell (measured / simulated seconds)."""
@@ -100,7 +105,10 @@ def profile_main(argv: list[str] | None = None) -> int:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.costs:
-        _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out)
+        if cfg.background_load not in LOADS:
+            raise SpecPilotError(f"--background-load must be one of {', '.join(LOADS)}, got '{cfg.background_load}'")
+        with background_load(cfg.background_load):
+            _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out)
     if cfg.traces and not cfg.target_config and not cfg.draft_config:
         _record_traces(cfg, target, draft, out)
     return 0
@@ -117,6 +125,9 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
     # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json
     stem = device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config else f"{device_key}-{slug(draft.name)}"
+    if cfg.background_load != "none":
+        stem += f"-load-{cfg.background_load}"
+        profile["background_load"] = cfg.background_load
     path = out / f"{stem}.json"
     path.write_text(json.dumps(profile, indent=1))
     plot_profile(profile, out / f"{stem}.png")

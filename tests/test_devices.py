@@ -183,3 +183,37 @@ def test_gpu_check_without_a_gpu_stops_at_once(tmp_path):
                           env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no CUDA GPU visible")
     assert proc.stderr.count("\n") == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_background_load_never_outlives_its_run(tmp_path):
+    """The load stops with its block, and with the process that started it when that one is SIGKILLed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from bench.load import background_load
+
+    with background_load("both") as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.poll() is not None for p in procs)
+    script = ("import time\nfrom bench.load import start_load\nprocs = start_load('compute')\n"
+              "print(procs[0].pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # running
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        try:  # reap it if it became ours (it was re-parented to init otherwise)
+            os.waitpid(child, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the load {child} outlived its killed parent")
