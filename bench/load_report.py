@@ -21,6 +21,10 @@ from .load import LOADS
 COUNTERS = ("hw_cpu_util", "hw_cpu_freq_ratio", "hw_load_per_core")
 
 
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -66,8 +70,8 @@ def main(argv=None) -> int:
         for b, cell in row["batches"].items():
             r = cell["ratio"]
             lines.append(f"| {kind} | {b} | {cell['plain_ms']:.1f} | {r[1]:.2f}, {r[2]:.2f}, {r[4]:.2f}, {r[min(8, len(r) - 1)]:.2f} | "
-                         f"{cell['best_k']} | {cell['gain']:.3f}x | {c['hw_cpu_util']} | {c['hw_load_per_core']} | "
-                         f"{c['hw_cpu_freq_ratio']} |")
+                         f"{cell['best_k']} | {cell['gain']:.3f}x | {_num(c['hw_cpu_util'])} | {_num(c['hw_load_per_core'])} | "
+                         f"{_num(c['hw_cpu_freq_ratio'])} |")
     atomic_write_text(report, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
