@@ -159,11 +159,12 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
     import json
     import os
     import subprocess
+    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=root, capture_output=True,
-                          text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+                          text=True, env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for step in ("tests", "profile", "train", "generate"):
         assert f"{step}: exit 0" in proc.stdout
@@ -176,11 +177,13 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
 def test_gpu_check_without_a_gpu_stops_at_once(tmp_path):
     import os
     import subprocess
+    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh")], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+                          env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable},
+                          timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no CUDA GPU visible")
     assert proc.stderr.count("\n") == 1 and list(tmp_path.iterdir()) == []
 
