@@ -143,6 +143,16 @@ if __name__ == "__main__":  # the table for the closing note
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = run_cli(MAINS[command], argv)
-        shown = " ".join(a.replace(str(root), "DIR") for a in argv if not a.startswith(str(root) + "/runs"))
+        common = {"--target", "--draft", "--out", "--device", "--no-progress", "--no-track", "--env", "--no-traces"}
+        kept, skip = [], False
+        for a in argv:
+            if skip:
+                skip = False
+                continue
+            if a in common:
+                skip = a not in ("--no-progress", "--no-track", "--no-traces")
+                continue
+            kept.append(a.replace(str(root) + "/files/", "").replace(str(root), "DIR"))
+        shown = " ".join(kept)
         line = next((x for x in err.getvalue().splitlines() if x.startswith("error:")), err.getvalue().strip()[-120:])
-        print(f"| {command} | `{shown[-90:]}` | {code} | {line.replace(str(root), 'DIR')[:160]} |")
+        print(f"| {command} | `{shown}` | {code} | {line.replace(str(root) + '/files/', '').replace(str(root), 'DIR')[:170]} |")
