@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -227,6 +228,7 @@ def plan_steps(cfg: TrainConfig, hp: dict, mode: str) -> dict[str, int]:
 
 def train_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
+    started = time.perf_counter()
     simulated = _simulated_profile(cfg)
     if simulated is not None:  # a chip that need not be here: replay only, the models stay on the CPU
         device_key, hardware_name, torch_device = simulated["device"], simulated["hardware_name"], "cpu"
@@ -355,6 +357,7 @@ def train_main(argv: list[str] | None = None) -> int:
     print(f"specpilot: exported {meta_path} ({how}); one decision takes "
           f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
     if not test_prompts:
+        print(f"specpilot: done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         return 0
     held_out = per_category(test_prompts, cfg.eval_per_category)
     statics = sorted({k for k in (1, 2, 3, 4, 6, k_max) if k <= k_max})
@@ -376,4 +379,6 @@ def train_main(argv: list[str] | None = None) -> int:
              if "best-rule" in table else ""))
     atomic_write_text(run_dir / "eval.json", json.dumps({"summary": summary, "best_static": best_static,
                                                          "prompts": [p.question_id for p in held_out]}, indent=1))
+    print(f"specpilot: done in {time.perf_counter() - started:.0f} s (evaluation: results in {run_dir / 'eval.json'})",
+          file=sys.stderr)
     return 0

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from decoding.paths import profile_path, traces_path
-from env.oracle import CostModel, Trace, load_profile, load_traces, oracle_schedule, truncate
+from env.oracle import CostModel, Trace, load_profile, load_traces, oracle_schedule, plain_seconds, truncate
 
 
 def _search(ctx: list[int], max_n: int = 3) -> tuple[int, list[int]]:
@@ -81,8 +81,7 @@ def run(trace: Trace, cost: CostModel, choose) -> tuple[float, float]:
         if trace.available[i]:
             shadow = float(trace.matches[i] >= 1)
         i += min(k, trace.matches[i]) + 1
-    plain = sum(cost.step_costs(len(trace.prompt_ids) + j, 1)[0][0] for j in range(n))
-    return seconds, plain
+    return seconds, plain_seconds(trace, cost)
 
 
 def speedup(traces, cost, choose) -> float:
@@ -122,8 +121,7 @@ def main(argv=None) -> int:
         ts = by_split[split]
         rule = speedup(ts, cost, lambda t, i, s, tab: best_rule[1] if t.match_lens[i] >= best_rule[0] else 0)
         pred = speedup(ts, cost, predictive_policy(predict, extras, lam))
-        plain = sum(sum(cost.step_costs(len(t.prompt_ids) + j, 1)[0][0] for j in range(len(t.output_ids))) for t in ts)
-        oracle = plain / sum(oracle_schedule(t, cost, k_max)[0] for t in ts)
+        oracle = sum(plain_seconds(t, cost) for t in ts) / sum(oracle_schedule(t, cost, k_max)[0] for t in ts)
         print(f"{split:<6}{rule:>11.3f}x{pred:>11.3f}x{oracle:>8.3f}x")
     return 0
 

@@ -15,7 +15,7 @@ from decoding.observation import FEATURES
 from decoding.paths import atomic_write_text, slug, traces_path
 from env.oracle import CostModel, load_profile, load_traces, train_traces
 
-from .batch_table import expected_tokens
+from .batch_table import goodput_table
 from .load import LOADS
 
 COUNTERS = ("hw_cpu_util", "hw_cpu_freq_ratio", "hw_load_per_core")
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     stem = f"{args.device}-{slug(args.draft)}"
     traces, meta = load_traces(traces_path(args.draft))
     k_max = traces[0].k_max
-    tokens = expected_tokens(train_traces(traces, meta), k_max)
+    train = train_traces(traces, meta)
     rows = {}
     for kind in LOADS:
         path = Path(args.profiles) / (f"{stem}.json" if kind == "none" else f"{stem}-load-{kind}.json")
@@ -46,9 +46,8 @@ def main(argv=None) -> int:
         context = profile.get("batch_context_len") or profile["context_lens"][0]
         sizes = profile.get("batch_sizes") or [1]
         per_batch = {}
-        for b in sizes:
+        for b, goodput in goodput_table(cost, train, k_max, context, sizes).items():
             seconds = cost.step_costs(context, b)[0][: k_max + 1]
-            goodput = tokens / seconds
             per_batch[b] = {"plain_ms": 1000 * seconds[0], "ratio": (seconds / seconds[0]).round(3).tolist(),
                             "best_k": int(np.argmax(goodput)), "gain": float(goodput.max() / goodput[0])}
         hw = dict(zip(FEATURES, profile.get("hardware") or []))

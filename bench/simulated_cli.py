@@ -17,10 +17,10 @@ from decoding.errors import SpecPilotError
 from decoding.learned import LearnedK
 from decoding.paths import atomic_write_text, policy_dir, relative, traces_path
 from decoding.policies import StaticK, parse_policy
-from env.oracle import CostModel, load_draft_traces, load_profile, oracle_schedule, truncate
+from env.oracle import CostModel, load_draft_traces, load_profile, oracle_schedule, plain_seconds, truncate
 from env.replay_env import replay_evaluate
 
-from .batch_table import BatchContextTableK, BatchTableK, expected_tokens
+from .batch_table import BatchContextTableK, BatchTableK, goodput_table
 
 
 @dataclass
@@ -60,23 +60,18 @@ def _split_traces(cfg, split):
 
 def best_static(profile: dict, traces, k_max: int, sizes: list[int], contexts: list[int]) -> int:
     """The one k best over the whole grid on the train traces (goodput relative to plain, averaged over cells)."""
-    cost, tokens = CostModel.from_profile(profile), expected_tokens(traces, k_max)
-    score = np.zeros(k_max + 1)
-    for b in sizes:
-        for c in contexts:
-            seconds = cost.step_costs(c, b)[0][: k_max + 1]
-            score += (tokens / seconds) / (tokens[0] / seconds[0])
+    cost, score = CostModel.from_profile(profile), np.zeros(k_max + 1)
+    for c in contexts:
+        for goodput in goodput_table(cost, traces, k_max, c, sizes).values():
+            score += goodput / goodput[0]
     return int(np.argmax(score))
 
 
 def oracle_speedup(traces, cost: CostModel, k_max: int, context: int) -> float:
     """The hindsight optimum at one row, each trace's context starting at `context`."""
-    best = plain = 0.0
-    for t in traces:
-        offset = max(0, context - len(t.prompt_ids))
-        best += oracle_schedule(t, cost, k_max, context_offset=offset)[0]
-        plain += sum(cost.step_costs(offset + len(t.prompt_ids) + i, 1)[0][0] for i in range(len(t.output_ids)))
-    return plain / best
+    offsets = [max(0, context - len(t.prompt_ids)) for t in traces]
+    best = sum(oracle_schedule(t, cost, k_max, context_offset=o)[0] for t, o in zip(traces, offsets))
+    return sum(plain_seconds(t, cost, o) for t, o in zip(traces, offsets)) / best
 
 
 def simulated_main(argv: list[str] | None = None) -> int:

@@ -85,6 +85,14 @@ class RowView:
     def remaining(self) -> int:
         return self.max_new_tokens - (self.length - self.prompt_len)
 
+    context_offset = 0
+    """Tokens before the prompt that the row does not hold (a replay row at a simulated context length)."""
+
+    @property
+    def context_len(self) -> int:
+        """The context the row's next step runs at (what a step costs and what the observation reads)."""
+        return self.context_offset + self.length
+
 
 class BatchView:
     """A batch of `rows` with the `active` ones in cache order; one sequence reads like its row.

@@ -126,7 +126,7 @@ class ObservationBuilder:
         ids = list(state.active) or list(range(len(state.rows)))
         rows = [state.rows[i] for i in ids]
         n = len(rows)
-        v[i] = sum(math.log1p(r.length + getattr(r, "context_offset", 0)) for r in rows) / n  # (a replay row's simulated context)
+        v[i] = sum(math.log1p(r.context_len) for r in rows) / n
         v[i + 1] = sum(r.remaining / r.max_new_tokens for r in rows) / n
         v[i + 2] = self.confidence_last
         v[i + 3] = self.confidence_min

@@ -38,10 +38,10 @@ class PlainCredit:
         self.plain_step = plain_step
 
     def reset(self, state) -> None:
-        # contexts as the cost sees them: a replay row may sit at a simulated context (context_offset)
-        self.prompt_lens = [r.prompt_len + getattr(r, "context_offset", 0) for r in state.rows]
+        # contexts as the cost sees them (a replay row may sit at a simulated context length)
+        self.prompt_lens = [r.context_offset + r.prompt_len for r in state.rows]
         rows = state.active_rows
-        self.context0 = sum(r.length + getattr(r, "context_offset", 0) for r in rows) / len(rows)
+        self.context0 = sum(r.context_len for r in rows) / len(rows)
         self.unit = self.plain_step(self.context0, len(rows))  # a plain step of the episode's batch: the reward's unit
         self.completed = 0
 

@@ -262,6 +262,12 @@ def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None, con
     return float(best[0]), path
 
 
+def plain_seconds(trace: Trace, cost: CostModel, context_offset: int = 0) -> float:
+    """Plain decoding's time for the trace's output at one row (the oracle's and any replay's baseline)."""
+    n_prompt = context_offset + len(trace.prompt_ids)
+    return float(sum(cost.step_costs(n_prompt + i, 1)[0][0] for i in range(len(trace.output_ids))))
+
+
 def truncate(trace: Trace, n: int) -> Trace:
     """The trace of the first n output tokens (a shorter generation budget)."""
     if len(trace.output_ids) <= n:

@@ -160,7 +160,7 @@ class ReplayEnv(gym.Env):
             drafted_rows.append(drafted)
             accepted_rows.append(min(drafted, r.trace.matches[i]))
         drafted = max(drafted_rows)  # rows with fewer proposals are padded to the widest
-        context = sum(r.length + r.context_offset for r in rows) / batch
+        context = sum(r.context_len for r in rows) / batch
         table, draft_per_token = self.cost.step_costs(context, batch)
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         noise *= self.speed

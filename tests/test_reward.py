@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from decoding.loop import RowView
 from env.episode import PlainCredit, step_reward
 
 
 @dataclass
-class Row:
+class Row(RowView):  # what the credit reads of a row: prompt_len, length, context_offset / context_len
     prompt_len: int
     length: int
 
