@@ -33,7 +33,7 @@ from decoding.policies import (
 from decoding.prompts import load_prompts, per_category
 from env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
 from env.oracle import CostModel, load_draft_traces, load_profile, truncate
-from env.replay_env import replay_steps_per_second
+from env.replay_env import MachineCondition, replay_steps_per_second
 
 from .export import export_policy, write_policy
 from .improve import improve_policy
@@ -92,6 +92,13 @@ class TrainConfig:
     allow_simulated: bool = False
     """Train for a chip from a simulated cost profile (--profile PATH from profile_device.py --simulate): replay
     env only, no GPU needed, the device need not be present; the exported policy records it."""
+    condition_profiles: str = ""
+    """Comma-separated cost profiles of the same device under other machine conditions (a power cap, a
+    co-tenant, a background load: profile_device.py --simulate D --condition C, or --background-load L), each
+    with the counters as read under it: replay episodes draw the condition (the --profile one included), so
+    the counters carry what the policy needs to know about the machine."""
+    hardware_noise: float = 0.02
+    """With --condition-profiles: each replay episode reads every counter off by this standard deviation."""
     n_envs: int = 1
     """Envs PPO steps at once: replay envs in N processes (one core each); real-loop envs one per visible GPU
     (each process loads the target on its GPU), or on the CPU N envs sharing this process's model."""
@@ -142,13 +149,39 @@ def _replay_data(cfg: TrainConfig, device_key: str, draft_name: str, train_ids: 
     return traces, CostModel.from_profile(profile), np.asarray(hardware, dtype=np.float32), profile, profile_file
 
 
+def machine_conditions(cfg: TrainConfig, device_key: str, cost: CostModel, hardware: np.ndarray,
+                profile: dict) -> list[MachineCondition]:
+    """The machine conditions of --condition-profiles, after the --profile one ([] without them)."""
+    paths = [p.strip() for p in cfg.condition_profiles.split(",") if p.strip()]
+    if not paths:
+        return []
+    def name(prof: dict, default: str) -> str:
+        return (prof.get("condition") or {}).get("name") or prof.get("background_load") or default
+
+    conditions = [MachineCondition(name(profile, "none"), cost, hardware)]
+    for path in paths:
+        other = load_profile(path, device_key)
+        if other.get("hardware") is None:
+            raise SpecPilotError(f"condition profile {path} records no hardware counters: the policy could not tell it apart")
+        if bool(other.get("simulated")) != bool(profile.get("simulated")):
+            raise SpecPilotError(f"condition profile {path} and the --profile are not both measured or both simulated")
+        conditions.append(MachineCondition(name(other, Path(path).stem), CostModel.from_profile(other),
+                                           np.asarray(other["hardware"], dtype=np.float32)))
+    names = [c.name for c in conditions]
+    if len(set(names)) != len(names):
+        raise SpecPilotError(f"--condition-profiles: two profiles share a condition name ({', '.join(names)})")
+    return conditions
+
+
 def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
                    max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
                    speed_jitter: float = 1.0, context_lens: list[int] = ()):
     traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
+    conditions = machine_conditions(cfg, device_key, cost, hardware, profile)
     return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)), hardware=hardware,
                              max_new_tokens=max_new_tokens, reward=reward, batch_sizes=batch_sizes,
-                             speed_jitter=speed_jitter, context_lens=context_lens)
+                             speed_jitter=speed_jitter, context_lens=context_lens, conditions=conditions,
+                             hardware_noise=cfg.hardware_noise if conditions else 0.0)
 
 
 def _best_rule(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
@@ -176,8 +209,9 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
     (layers, normalisation) for PPO to start from, and its history."""
     k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
     contexts = [int(c) for c in hp.get("context_lens") or []]
+    traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
+    conditions = machine_conditions(cfg, device_key, cost, hardware, profile)
     if hp.get("warm_start_base", "best-rule") == "batch-context-table":  # from the profile: no rule tuning
-        traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
         traces = [truncate(t, budget) for t in traces]
         base = BatchContextTableK.from_profile(profile, traces, k_max, contexts or [profile["context_lens"][0]])
         what = f"the batch x context table from the profile ({len(base.table)} cells)"
@@ -192,7 +226,8 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
     layers, norm, history = improve_policy(
         base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
         list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=cfg.seed, progress=cfg.progress,
-        log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts)
+        log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts, conditions=conditions,
+        hardware_noise=cfg.hardware_noise if conditions else 0.0)
     return (layers, norm), history
 
 
@@ -336,6 +371,7 @@ def train_main(argv: list[str] | None = None) -> int:
     provenance = {"target": target.name if simulated is None else simulated["target"], "draft": draft.name,
                   "simulated": simulated is not None, "profile": relative(cfg.profile) if cfg.profile else None,
                   "context_lens": [int(c) for c in hp.get("context_lens") or []],
+                  "condition_profiles": [relative(p.strip()) for p in cfg.condition_profiles.split(",") if p.strip()],
                   "max_new_tokens": int(hp["max_new_tokens"]),
                   "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
                   "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed,

@@ -43,6 +43,8 @@ class BatchRun:
     token_ids: list[list[int]]
     category: str = ""
     """The prompt's category (single-prompt runs)."""
+    load: str = "none"
+    """The background load the run ran beside (bench/load.py)."""
 
 
 def run_benchmark(target, draft, policies: dict[str, LengthPolicy], prompts: list[Prompt], *args, **kwargs) -> list[BatchRun]:
@@ -62,11 +64,19 @@ def run_batch_benchmark(
     sampling: Sampling = Sampling(),
     chat: bool = True,
     progress: bool = True,
+    loads: list[str] = ("none",),
 ) -> list[BatchRun]:
     """Every policy on the same batches of prompts at each batch size (B prompts decoded together),
-    interleaved: the policy order rotates from one batch to the next, so slow drift hits all alike."""
+    interleaved: the policy order rotates from one batch to the next, so slow drift hits all alike.
+    With `loads` (bench/load.py), each repeat runs the whole plan under each background load in turn (the
+    order rotating from one repeat to the next), the load started before its pass and stopped after it."""
+    from .load import LOADS, background_load
+
     if "none" not in policies:
         raise SpecPilotError("the benchmark needs the 'none' policy (plain decoding) as its baseline")
+    loads = list(loads)
+    if not loads or any(load not in LOADS for load in loads) or len(set(loads)) != len(loads):
+        raise SpecPilotError(f"background loads must be distinct ones of {', '.join(LOADS)}, got {','.join(loads)}")
     names = list(policies)
     encoded = [target.encode(p.text, chat=chat) for p in prompts]
     plan = [(b, i, idx) for b in batch_sizes for i, idx in enumerate(batches_of(len(prompts), b))]
@@ -74,27 +84,34 @@ def run_batch_benchmark(
     generate(target, draft, policies[names[-1]], [encoded[x] for x in plan[-1][2]], 8, sampling)
     runs: list[BatchRun] = []
     desc = "benchmark" if batch_sizes == [1] else "batch benchmark"
-    bar = tqdm(total=repeats * len(plan) * len(names), desc=desc, disable=not progress, file=sys.stderr)
+    bar = tqdm(total=repeats * len(loads) * len(plan) * len(names), desc=desc, disable=not progress, file=sys.stderr)
     for r in range(repeats):
-        for j, (b, i, idx) in enumerate(plan):
-            shift = (r + j) % len(names)
-            for name in names[shift:] + names[:shift]:
-                policy = policies[name]
-                if hasattr(policy, "prepare") and b == 1:  # the oracle replays this prompt's schedule
-                    policy.prepare(prompts[idx[0]].question_id)
-                rows = [encoded[x] for x in idx]
-                result = generate(target, draft if policy.k_max > 0 else None, policy, rows[0] if b == 1 else rows,
-                                  max_new_tokens, sampling, seed=r)
-                s = result.stats
-                token_ids = [result.token_ids] if b == 1 else result.token_ids
-                runs.append(BatchRun(name, b, i, [prompts[x].question_id for x in idx], r, s.new_tokens, s.seconds,
-                                     s.steps, sum(x.k * x.batch_size for x in result.steps),
-                                     sum(sum(x.accepted_rows) for x in result.steps), s.policy_s,
-                                     [x.k for x in result.steps], token_ids,
-                                     prompts[idx[0]].category if b == 1 else ""))
-                bar.update()
+        for load in loads[r % len(loads):] + loads[: r % len(loads)]:
+            if len(loads) > 1:
+                bar.set_postfix_str(f"load {load}")
+            with background_load(load):
+                for j, (b, i, idx) in enumerate(plan):
+                    shift = (r + j) % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        runs.append(_run_one(target, draft, policies[name], name, prompts, encoded, b, i, idx, r,
+                                             max_new_tokens, sampling, load))
+                        bar.update()
     bar.close()
     return runs
+
+
+def _run_one(target, draft, policy, name, prompts, encoded, b, i, idx, r, max_new_tokens, sampling, load) -> BatchRun:
+    """One policy's decoding of one batch (rows `idx` of the prompts) in repeat r, as a BatchRun."""
+    if hasattr(policy, "prepare") and b == 1:  # the oracle replays this prompt's schedule
+        policy.prepare(prompts[idx[0]].question_id)
+    rows = [encoded[x] for x in idx]
+    result = generate(target, draft if policy.k_max > 0 else None, policy, rows[0] if b == 1 else rows,
+                      max_new_tokens, sampling, seed=r)
+    s = result.stats
+    token_ids = [result.token_ids] if b == 1 else result.token_ids
+    return BatchRun(name, b, i, [prompts[x].question_id for x in idx], r, s.new_tokens, s.seconds, s.steps,
+                    sum(x.k * x.batch_size for x in result.steps), sum(sum(x.accepted_rows) for x in result.steps),
+                    s.policy_s, [x.k for x in result.steps], token_ids, prompts[idx[0]].category if b == 1 else "", load)
 
 
 def mismatch_rate(ids, plain_ids) -> float:
@@ -321,4 +338,52 @@ def batch_markdown_report(summary: dict, meta: dict, plot_name: str, command: st
         for policy in summary["policies"]:
             lines.append(f"| {policy} | " + " | ".join(paired_cell(summary["table"][str(b)][policy]) for b in sizes) + " |")
     lines += ["", f"![tokens/s and speedup vs batch size]({plot_name})", ""]
+    return "\n".join(lines)
+
+
+def summarize_loads(runs: list[BatchRun], greedy: bool = True) -> dict:
+    """Per background load, the batched summary of the runs under it: every speedup is over plain decoding
+    under the same load (its paired intervals from the repeats, each load's pass in each repeat)."""
+    loads = list(dict.fromkeys(run.load for run in runs))
+    by_load = {load: summarize_batches([r for r in runs if r.load == load], greedy) for load in loads}
+    first = by_load[loads[0]]
+    return {"loads": loads, "batch_sizes": first["batch_sizes"], "policies": first["policies"], "by_load": by_load}
+
+
+def format_loads_table(summary: dict) -> str:
+    """Rows: policies; columns: load x batch size, each the paired speedup over plain under that load."""
+    cols = [(load, b) for load in summary["loads"] for b in summary["batch_sizes"]]
+    head = f"{'policy':<16}" + "".join(f"{load + ' B=' + str(b):>25}" for load, b in cols)
+    lines = [head, "-" * len(head)]
+    for policy in summary["policies"]:
+        lines.append(f"{policy:<16}" + "".join(
+            f"{paired_cell(summary['by_load'][load]['table'][str(b)][policy]):>25}" for load, b in cols))
+    return "\n".join(lines)
+
+
+def loads_markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> str:
+    """The report page of a benchmark under background loads: per load, speedup over plain under that load."""
+    sizes, loads = summary["batch_sizes"], summary["loads"]
+    lines = [f"# Benchmark under background load: {meta.get('hardware')} ({meta.get('device')})", "",
+             f"Regenerate with: `{command}`", "",
+             f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split), "
+             f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; greedy; {meta.get('repeats')} repeats. "
+             "Each repeat runs every policy on the same batches under each load in turn (the order rotating between "
+             "repeats; the load started by the benchmark before its pass and stopped after it, bench/load.py). "
+             "Cells: speedup over plain decoding *under the same load*, paired within each repeat: geometric mean "
+             "[approx. 95% interval]; then the plain tokens/s, to show the load's scale.", ""]
+    cols = [(load, b) for load in loads for b in sizes]
+    lines += ["| policy | " + " | ".join(f"{load} B={b}" for load, b in cols) + " | tokens unlike plain |",
+              "|---|" + "---|" * (len(cols) + 1)]
+    for policy in summary["policies"]:
+        cells = [summary["by_load"][load]["table"][str(b)][policy] for load, b in cols]
+        lines.append(f"| {policy} | " + " | ".join(paired_cell(c) for c in cells) + f" | {_pct(_worst(cells))} |")
+    lines.append("| plain tokens/s | " + " | ".join(
+        f"{summary['by_load'][load]['table'][str(b)]['none']['tokens_per_s']:.2f}" for load, b in cols) + " | |")
+    lines += ["", "Mean k chosen:", "", "| policy | " + " | ".join(f"{load} B={b}" for load, b in cols) + " |",
+              "|---|" + "---|" * len(cols)]
+    for policy in summary["policies"]:
+        lines.append(f"| {policy} | " + " | ".join(
+            f"{summary['by_load'][load]['table'][str(b)][policy]['mean_k']:.2f}" for load, b in cols) + " |")
+    lines += ["", f"![speedup under each load]({plot_name})", ""]
     return "\n".join(lines)

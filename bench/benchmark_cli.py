@@ -36,9 +36,13 @@ from .benchmark import (
     run_benchmark,
     summarize,
     summarize_batches,
+    format_loads_table,
+    loads_markdown_report,
+    summarize_loads,
     write_results,
 )
-from .plots import plot_batch_benchmark, plot_benchmark
+from .load import LOADS
+from .plots import plot_batch_benchmark, plot_benchmark, plot_load_benchmark
 from .replay_check import format_check, replay_check
 from .report import write_report
 from .tune_cli import rules_policy
@@ -101,6 +105,11 @@ class BenchmarkConfig:
     written by scripts/tune_rules.py on the train split)."""
     progress: bool = True
     """Show a progress bar."""
+    background_load: str = "none"
+    """Comma-separated background loads to run every policy under, e.g. none,compute,memory (bench/load.py:
+    compute = one core of matrix multiplies, memory = a stream of large copies, both): each repeat runs the
+    whole plan under each load in turn, the load started and stopped by the benchmark (never left running,
+    not even when it is killed); speedups are over plain decoding under the same load."""
 
 
 def expand_policies(text: str) -> list[str]:
@@ -188,6 +197,36 @@ def _save(cfg, argv, runs, summary: dict, meta: dict, prefix: str, plot, markdow
     if cfg.report:
         write_report(cfg.report, png, meta, summary, lambda plot_name: markdown(summary, meta, plot_name, _command(argv)))
     return path
+
+
+def parse_loads(text: str) -> list[str]:
+    """--background-load: distinct names of bench.load.LOADS."""
+    loads = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [x for x in loads if x not in LOADS]
+    if not loads or bad or len(set(loads)) != len(loads):
+        raise SpecPilotError(f"--background-load takes distinct ones of {', '.join(LOADS)}, got '{text}'")
+    return loads
+
+
+def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, device_key, hardware_name, argv,
+                     loads: list[str]) -> int:
+    sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [1]
+    runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
+                               cfg.chat, cfg.progress, loads)
+    summary = summarize_loads(runs, greedy=sampling.greedy)
+    summary["input_range"] = _range_report(policies)
+    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "batch_sizes": sizes, "loads": loads, "policies": _policy_sources(policies)}
+    path = _save(cfg, argv, runs, summary, meta, "load_", lambda png: plot_load_benchmark(summary, png),
+                 loads_markdown_report)
+    print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) | batch sizes {sizes} | "
+          f"loads {', '.join(loads)} | {cfg.repeats} repeats | {hardware_name}")
+    print("speedup over plain under the same load, paired within each repeat: geometric mean [approx. 95% interval]")
+    print(format_loads_table(summary))
+    _print_range_report(summary["input_range"])
+    print(f"results: {path}")
+    return 0
 
 
 def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, device_key, hardware_name, argv) -> int:
@@ -278,6 +317,11 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(BenchmarkConfig, argv)
     at_least(1, repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
     names = expand_policies(cfg.policies)
+    loads = parse_loads(cfg.background_load)
+    if loads != ["none"] and (cfg.replay or cfg.replay_check):
+        raise SpecPilotError("--background-load times the real loop; --replay and --replay-check time nothing")
+    if "oracle" in names and loads != ["none"] and not cfg.replay:
+        raise SpecPilotError("the oracle's schedule comes from the unloaded cost profile: leave it out of --background-load runs")
     if "oracle" in names and cfg.batch_sizes and not cfg.replay:
         raise SpecPilotError("the oracle's hindsight schedule is per sequence: run it without --batch-sizes, or with --replay")
     if "none" not in names:
@@ -307,6 +351,8 @@ def benchmark_main(argv: list[str] | None = None) -> int:
         return _replay_check(cfg, target, device_key, draft, sampling, policies, prompts)
     if cfg.replay:
         return _replay_benchmark(cfg, device_key, draft, sampling, policies, prompts)
+    if loads != ["none"]:
+        return _loads_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv, loads)
     if cfg.batch_sizes:
         return _batch_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv)
     runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)

@@ -90,3 +90,28 @@ def plot_batch_benchmark(summary: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_load_benchmark(summary: dict, path: str | Path) -> None:
+    """One panel per batch size: the paired speedup over plain (same load) of each policy, grouped by load."""
+    plt = _pyplot()
+    sizes, loads, policies = summary["batch_sizes"], summary["loads"], summary["policies"]
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
+    width = 0.8 / len(policies)
+    for ax, b in zip(axes[0], sizes):
+        for j, policy in enumerate(policies):
+            cells = [summary["by_load"][load]["table"][str(b)][policy] for load in loads]
+            values = [c.get("speedup_paired", c["speedup"]) for c in cells]
+            lows = [v - (c.get("speedup_paired_interval") or [v, v])[0] for v, c in zip(values, cells)]
+            highs = [(c.get("speedup_paired_interval") or [v, v])[1] - v for v, c in zip(values, cells)]
+            ax.bar(np.arange(len(loads)) + j * width, values, width, yerr=[lows, highs], capsize=2,
+                   color=colors[j % len(colors)], label=policy)
+        ax.set_xticks(np.arange(len(loads)) + 0.4 - width / 2, loads)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_title(f"B = {b}")
+        ax.set_ylabel("speedup over plain, same load (paired)")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

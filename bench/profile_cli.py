@@ -77,6 +77,10 @@ class ProfileConfig:
     """Profile under a background load the command starts and stops itself: none | compute (one core of
     matrix multiplies) | memory (a stream of large copies) | both (bench/load.py); the profile is written as
     DEVICE[-DRAFT]-load-KIND.json and records the load and the counters as they read under it."""
+    condition: str = "none"
+    """With --simulate: the machine condition simulated (env/simulate.py CONDITIONS): none | power-cap (SM clock
+    at 55%) | cotenant (half the HBM bandwidth taken) | both; the profile records the counters as NVML would
+    read under it and is written as OUT/DEVICE-CONDITION-simulated.json."""
     compare: str | None = None
     """With --simulate: a measured profile of the same chip (scripts/gpu_check.sh writes one) to compare with
     the simulated one cell by cell (measured / simulated seconds)."""
@@ -145,8 +149,9 @@ def _simulate(cfg) -> int:
         raise SpecPilotError("--simulate needs --target-config (the target's shape, e.g. configs/llama-3.1-8b)")
     profile = simulate_profile(cfg.simulate.strip().lower(), cfg.target_config, cfg.draft_config, cfg.k_max,
                                parse_ints(cfg.simulate_batch_sizes, "--simulate-batch-sizes"),
-                               parse_ints(cfg.simulate_context_lens, "--simulate-context-lens"))
-    path = save_profile(profile, Path(cfg.out) / f"{profile['device']}-simulated.json")
+                               parse_ints(cfg.simulate_context_lens, "--simulate-context-lens"), cfg.condition)
+    suffix = "" if cfg.condition == "none" else f"-{cfg.condition}"
+    path = save_profile(profile, Path(cfg.out) / f"{profile['device']}{suffix}-simulated.json")
     grid = profile["grid"]
     print(f"SIMULATED cost profile of {profile['hardware_name']}: {path} (roofline model, not a measurement)")
     for b_i, b in enumerate(grid["batch_sizes"]):

@@ -17,7 +17,9 @@ from decoding.errors import SpecPilotError
 from decoding.learned import LearnedK
 from decoding.paths import atomic_write_text, policy_dir, relative, traces_path
 from decoding.policies import StaticK, parse_policy
-from env.oracle import CostModel, load_draft_traces, load_profile, oracle_schedule, plain_seconds, truncate
+from env.oracle import (
+    CostModel, load_draft_traces, load_profile, oracle_schedule, plain_seconds, profile_hardware, truncate,
+)
 from env.replay_env import replay_evaluate
 
 from .batch_table import BatchContextTableK, BatchTableK, goodput_table
@@ -49,7 +51,8 @@ class SimulatedReportConfig:
     """Report page (+ .json and .png beside it)."""
 
 
-def _split_traces(cfg, split):
+def split_traces(cfg, split):
+    """The recorded traces of `cfg.draft` in one split, cut to `cfg.max_new_tokens`."""
     traces, meta = load_draft_traces(traces_path(cfg.draft), cfg.draft, cfg.max_new_tokens)
     splits = meta.get("splits") or {}
     chosen = [truncate(t, cfg.max_new_tokens) for t in traces if splits.get(t.question_id) == split]
@@ -77,7 +80,7 @@ def oracle_speedup(traces, cost: CostModel, k_max: int, context: int) -> float:
 def simulated_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(SimulatedReportConfig, argv)
     sizes, contexts = parse_ints(cfg.batch_sizes, "--batch-sizes"), parse_ints(cfg.context_lens, "--context-lens")
-    train, test = _split_traces(cfg, "train"), _split_traces(cfg, cfg.split)
+    train, test = split_traces(cfg, "train"), split_traces(cfg, cfg.split)
     results = {}
     for device in [d.strip() for d in cfg.devices.split(",") if d.strip()]:
         path = Path(cfg.profiles) / f"{device}-simulated.json"
@@ -99,7 +102,8 @@ def simulated_main(argv: list[str] | None = None) -> int:
         cells = {}
         for b in sizes:
             for c in contexts:
-                row = replay_evaluate(policies, test, cost, cfg.k_max, None, b, cfg.max_new_tokens, context_len=c)
+                row = replay_evaluate(policies, test, cost, cfg.k_max, profile_hardware(profile), b, cfg.max_new_tokens,
+                                      context_len=c)
                 cell = {name: r["speedup"] for name, r in row.items()}
                 if b == 1:
                     cell["oracle"] = oracle_speedup(test, cost, cfg.k_max, c)

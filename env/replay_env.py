@@ -11,6 +11,12 @@ trace knows where the row will end (EOS); `remaining` counts to the budget and t
 at its trace's end. With `speed_jitter` J each episode runs the whole profile J^u times faster or
 slower (u uniform in [-1, 1]): the machine's speed drifts, so the measured-cost features must not be
 read as absolute (the reward, in plain steps, is unchanged by it).
+
+Machine conditions (`conditions`): a shared or throttled machine changes what a step costs, and not only
+by a common factor (a power cap slows the compute-bound verify passes of a large batch more than the
+memory-bound plain steps). Each condition is a cost profile measured or simulated under it plus the
+hardware counters as they read under it; each episode draws one, so the counters carry what the policy
+needs to know about the machine. The reward stays exact: plain decoding is priced under the same condition.
 """
 from __future__ import annotations
 
@@ -77,6 +83,15 @@ class ReplayState(BatchView):
     draft: TracedDraft | None = None
 
 
+@dataclass
+class MachineCondition:
+    """One machine condition of the replay env: its step costs and its counters (decoding.hardware.HW_FEATURES)."""
+
+    name: str
+    cost: CostModel
+    hardware: np.ndarray
+
+
 class ReplayEnv(gym.Env):
     """With `batch_sizes`, each episode draws a batch size and that many traces: one k per step for
     the batch, each row accepting min(k, a_r, m_r) tokens, the step costing the profiled batch cost of
@@ -88,7 +103,8 @@ class ReplayEnv(gym.Env):
     def __init__(self, traces: list[Trace], cost: CostModel, k_max: int = 8, noise: float = 0.05,
                  hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved",
                  batch_sizes: tuple[int, ...] | list[int] = (1,), speed_jitter: float = 1.0,
-                 context_lens: tuple[int, ...] | list[int] = ()):
+                 context_lens: tuple[int, ...] | list[int] = (), conditions: list[MachineCondition] = (),
+                 hardware_noise: float = 0.0):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
@@ -100,6 +116,17 @@ class ReplayEnv(gym.Env):
         if max(self.batch_sizes) > 1 and cost.max_batch == 1:
             raise SpecPilotError("the cost profile has no batch sizes; run scripts/profile_device.py --batch-sizes 1,2,4,8,16")
         self.traces, self.cost, self.k_max, self.noise = traces, cost, k_max, noise
+        # machine conditions an episode draws from (option "condition": a name); none given: the one profile
+        self.conditions = list(conditions)
+        for condition in self.conditions:
+            if condition.cost.k_max < k_max:
+                raise SpecPilotError(f"the cost profile of condition '{condition.name}' covers k <= {condition.cost.k_max}")
+            if max(self.batch_sizes) > 1 and condition.cost.max_batch == 1:
+                raise SpecPilotError(f"the cost profile of condition '{condition.name}' has no batch sizes")
+        self.condition = "default"
+        if hardware_noise < 0:
+            raise SpecPilotError(f"hardware_noise is a standard deviation >= 0, got {hardware_noise}")
+        self.hardware_noise = float(hardware_noise)
         self.max_new_tokens, self.reward = max_new_tokens, reward
         if speed_jitter < 1.0:
             raise SpecPilotError(f"speed_jitter is a factor >= 1 (1 = off), got {speed_jitter}")
@@ -107,9 +134,11 @@ class ReplayEnv(gym.Env):
         # simulated context lengths (e.g. a GPU profile's 4k-32k): an episode draws one, each row's context starts
         # there (its trace's tokens after it); the cost is taken at that context, the acceptance from the trace
         self.context_lens = [int(c) for c in context_lens]
-        monitor = FixedMonitor(hardware if hardware is not None else np.zeros(len(HW_FEATURES), dtype=np.float32))
-        self.observer = ObservationBuilder(k_max, monitor=monitor)
-        self.credit = PlainCredit(lambda context, batch: self.speed * float(cost.step_costs(context, batch)[0][0]))
+        self.hardware = np.asarray(hardware if hardware is not None else np.zeros(len(HW_FEATURES)), dtype=np.float32)
+        self.monitor = FixedMonitor(self.hardware)
+        self.observer = ObservationBuilder(k_max, monitor=self.monitor)
+        # plain decoding priced by the episode's cost model (its machine condition), at this episode's speed
+        self.credit = PlainCredit(lambda context, batch: self.speed * float(self.cost.step_costs(context, batch)[0][0]))
         self.action_space = gym.spaces.Discrete(k_max + 1)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state: ReplayState | None = None
@@ -137,14 +166,33 @@ class ReplayEnv(gym.Env):
             r.context_offset = max(0, context - r.prompt_len)
         if self.speed_jitter > 1.0:
             self.speed = float(self.speed_jitter ** self.np_random.uniform(-1.0, 1.0))
+        self._draw_condition(options.get("condition"))
         self.trace = rows[0].trace
         self.state = ReplayState(rows, list(range(len(rows))))
         self.state.draft = TracedDraft(self.state)
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
         self.credit.reset(self.state)
-        info = {"question_id": self.trace.question_id, "category": self.trace.category, "batch_size": len(rows)}
+        info = {"question_id": self.trace.question_id, "category": self.trace.category, "batch_size": len(rows),
+                "condition": self.condition}
         return self.observer.build(self.state), info
+
+    def _draw_condition(self, name: str | None) -> None:
+        """Set this episode's cost model and counters: the named condition, else one drawn uniformly (with
+        `hardware_noise`, each counter read off by that standard deviation for the episode)."""
+        if not self.conditions:
+            if name not in (None, "default"):
+                raise SpecPilotError(f"condition '{name}' asked of a replay env without conditions")
+            values = self.hardware
+        else:
+            names = [c.name for c in self.conditions]
+            if name is not None and name not in names:
+                raise SpecPilotError(f"unknown condition '{name}'; this env has {', '.join(names)}")
+            chosen = self.conditions[names.index(name) if name is not None else int(self.np_random.integers(len(names)))]
+            self.cost, self.condition, values = chosen.cost, chosen.name, np.asarray(chosen.hardware, dtype=np.float32)
+        if self.hardware_noise:
+            values = np.clip(values + self.hardware_noise * self.np_random.standard_normal(values.shape), 0.0, None)
+        self.monitor.values = np.asarray(values, dtype=np.float32)
 
     def step(self, action):
         state = self.state
@@ -210,10 +258,11 @@ def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -
     return steps / (time.perf_counter() - t0)
 
 
-def replay_episode(env: ReplayEnv, policy, trace_indices: list[int], context_len: int = 0) -> EpisodeStats:
+def replay_episode(env: ReplayEnv, policy, trace_indices: list[int], context_len: int = 0,
+                   condition: str | None = None) -> EpisodeStats:
     """One replayed batch of these traces under `policy` (reset, then choose_k / update every step), its rows'
-    contexts starting at `context_len` when it is given (a simulated long context)."""
-    obs, _ = env.reset(options={"trace_indices": trace_indices, "context_len": context_len})
+    contexts starting at `context_len` when it is given (a simulated long context), under `condition`."""
+    obs, _ = env.reset(options={"trace_indices": trace_indices, "context_len": context_len, "condition": condition})
     policy.reset()
     done = False
     while not done:

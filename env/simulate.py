@@ -49,6 +49,46 @@ BYTES = 2  # bf16
 
 
 @dataclass(frozen=True)
+class Condition:
+    """A machine condition a shared or throttled GPU runs under, and what its NVML counters read under it."""
+
+    name: str
+    sm_clock_ratio: float
+    """SM clock / its maximum (a power cap or thermal throttling lowers it): the FLOP peak and the small
+    kernels' fixed floor scale with it; the HBM bandwidth does not (the memory clock is separate)."""
+    hbm_share: float
+    """Share of the HBM bandwidth a co-tenant process takes (MPS or time-sliced sharing)."""
+    description: str
+
+
+CONDITIONS = {
+    "none": Condition("none", 1.0, 0.0, "the chip to itself at full clock"),
+    "power-cap": Condition("power-cap", 0.55, 0.0, "a power cap (nvidia-smi -pl) or thermal throttling: SM clock at 55%"),
+    "cotenant": Condition("cotenant", 1.0, 0.5, "a memory-bound co-tenant takes half of the HBM bandwidth"),
+    "both": Condition("both", 0.55, 0.5, "power cap and co-tenant together"),
+}
+
+
+def condition_counters(device: str, condition: Condition) -> list[float]:
+    """The hardware features (decoding.hardware.HW_FEATURES) as NVML would read them while this device decodes
+    under `condition`: GPU busy, SM clock ratio, power near the cap when capped, memory-busy time and (Hopper
+    and newer: GPM) DRAM bandwidth utilisation raised by a co-tenant. Decoding alone keeps HBM ~70% busy."""
+    from decoding.hardware import HW_FEATURES
+
+    gpm = device in ("h100", "h200")
+    own = 0.7 * (1.0 - condition.hbm_share)  # our share of the memory traffic
+    values = {"hw_is_gpu": 1.0, "hw_gpu_util": 1.0, "hw_gpu_mem_util": min(1.0, own + condition.hbm_share),
+              "hw_sm_clock_ratio": condition.sm_clock_ratio,
+              "hw_power_ratio": 0.98 if condition.sm_clock_ratio < 1.0 else 0.55 + 0.3 * condition.hbm_share,
+              "hw_temperature": 0.6 + 0.15 * condition.hbm_share,
+              "hw_gpm_available": 1.0 if gpm else 0.0,
+              "hw_gpm_dram_bw_util": min(1.0, own + condition.hbm_share) if gpm else 0.0,
+              "hw_gpm_sm_occupancy": (0.3 + 0.2 * condition.hbm_share) if gpm else 0.0,
+              "hw_cpu_available": 1.0, "hw_cpu_util": 0.15, "hw_cpu_freq_ratio": 1.0, "hw_load_per_core": 0.1}
+    return [float(values[name]) for name in HW_FEATURES]
+
+
+@dataclass(frozen=True)
 class Shape:
     """A Llama-style decoder's shape (from its config.json)."""
 
@@ -89,19 +129,25 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * BYTES
 
 
-def forward_seconds(shape: Shape, chip: Chip, batch: int, tokens: int, context: int) -> float:
-    """Roofline seconds of one forward over `tokens` new tokens per row (module docstring)."""
+def forward_seconds(shape: Shape, chip: Chip, batch: int, tokens: int, context: int,
+                    condition: Condition = CONDITIONS["none"]) -> float:
+    """Roofline seconds of one forward over `tokens` new tokens per row (module docstring), under `condition`."""
     moved = shape.matmul_params * BYTES + batch * (context + tokens) * shape.kv_bytes_per_token
     flops = 2 * shape.matmul_params * batch * tokens + 4 * shape.layers * shape.heads * shape.head_dim * batch * tokens * context
-    return max(moved / (chip.hbm_gb_s * 1e9 * BW_EFFICIENCY), flops / (chip.bf16_tflop_s * 1e12 * FLOP_EFFICIENCY)) \
-        + shape.layers * LAYER_FLOOR_S
+    bandwidth = chip.hbm_gb_s * 1e9 * BW_EFFICIENCY * (1.0 - condition.hbm_share)
+    peak = chip.bf16_tflop_s * 1e12 * FLOP_EFFICIENCY * condition.sm_clock_ratio
+    return max(moved / bandwidth, flops / peak) + shape.layers * LAYER_FLOOR_S / condition.sm_clock_ratio
 
 
 def simulate_profile(device: str, target_config: str, draft_config: str | None, k_max: int, batch_sizes: list[int],
-                     context_lens: list[int]) -> dict:
-    """A cost profile in the measured profiles' format (plus the full batch x context grid), for `device`."""
+                     context_lens: list[int], condition: str = "none") -> dict:
+    """A cost profile in the measured profiles' format (plus the full batch x context grid), for `device`
+    under the machine `condition` (CONDITIONS), with the hardware counters as they would read under it."""
     if device not in CHIPS:
         raise SpecPilotError(f"--simulate {device}: known chips are {', '.join(CHIPS)}")
+    if condition not in CONDITIONS:
+        raise SpecPilotError(f"--condition {condition}: known conditions are {', '.join(CONDITIONS)}")
+    state = CONDITIONS[condition]
     chip, target = CHIPS[device], Shape.from_config(target_config)
     draft = Shape.from_config(draft_config) if draft_config else None
     fits = chip.memory_gb * 1e9 - target.params * BYTES - (draft.params * BYTES if draft else 0)
@@ -109,10 +155,10 @@ def simulate_profile(device: str, target_config: str, draft_config: str | None, 
         raise SpecPilotError(f"{target_config} does not fit in the {chip.memory_gb:g} GB of a {device}")
 
     def verify(b, k, c):
-        return forward_seconds(target, chip, b, k + 1, c)
+        return forward_seconds(target, chip, b, k + 1, c, state)
 
     def draft_per_token(b, c):
-        return forward_seconds(draft, chip, b, 1, c) if draft else 0.0
+        return forward_seconds(draft, chip, b, 1, c, state) if draft else 0.0
 
     contexts, sizes = sorted(context_lens), sorted(batch_sizes)
     base = contexts[0]
@@ -121,8 +167,8 @@ def simulate_profile(device: str, target_config: str, draft_config: str | None, 
             "draft_s_per_token": [[draft_per_token(b, c) for c in contexts] for b in sizes]}
     kv_limit = {b: int(fits / (b * target.kv_bytes_per_token)) for b in sizes}
     return {
-        "simulated": True,
-        "device": device, "hardware_name": f"{chip.name} (simulated)",
+        "simulated": True, "condition": asdict(state),
+        "device": device, "hardware_name": f"{chip.name} (simulated{'' if condition == 'none' else ', ' + condition})",
         "target": f"shape of {target_config}", "draft": f"shape of {draft_config}" if draft_config else "ngram",
         "dtype": "bfloat16",
         "model": {"chip": asdict(chip), "bw_efficiency": BW_EFFICIENCY, "flop_efficiency": FLOP_EFFICIENCY,
@@ -134,7 +180,7 @@ def simulate_profile(device: str, target_config: str, draft_config: str | None, 
         "context_lens": contexts, "k": list(range(k_max + 1)),
         "verify_s": [[verify(1, k, c) for k in range(k_max + 1)] for c in contexts],
         "draft_s_per_token": [draft_per_token(1, c) for c in contexts],
-        "noise": 0.02, "repeats": 0, "hardware": None,
+        "noise": 0.02, "repeats": 0, "hardware": condition_counters(device, state),
         "batch_sizes": sizes, "batch_context_len": base,
         "batch_verify_s": [[verify(b, k, base) for k in range(k_max + 1)] for b in sizes],
         "batch_draft_s_per_token": [draft_per_token(b, base) for b in sizes],

@@ -70,6 +70,10 @@ def cases(f: dict[str, str], target: str) -> list[tuple[str, list[str], str]]:
     return [
         ("benchmark", bench + ["--prompts", f["latin1.jsonl"]], "is not UTF-8 text"),
         ("benchmark", bench + ["--prompts", f["prompts.jsonl"], "--split", "test", "--repeats", "0"], "--repeats must be >= 1"),
+        ("benchmark", bench + ["--prompts", f["prompts.jsonl"], "--split", "test", "--background-load", "none,gpu"],
+         "--background-load takes distinct ones of none, compute, memory, both"),
+        ("benchmark", bench + ["--prompts", f["prompts.jsonl"], "--split", "test", "--background-load", "compute",
+                               "--replay"], "--background-load times the real loop"),
         ("benchmark", bench + ["--prompts", f["prompts.jsonl"], "--split", "test", "--policies", "oracle",
                                "--batch-sizes", "1,2"], "per sequence"),
         ("benchmark", replay + ["--profile", f["profile.json"], "--traces", f["traces_broken.json"]], "corrupt trace file"),

@@ -2,6 +2,7 @@
 that degrade to the counters' availability flags: tested with a fake CUDA runtime and a fake NVML."""
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -220,3 +221,61 @@ def test_background_load_never_outlives_its_run(tmp_path):
             pass
         time.sleep(0.1)
     raise AssertionError(f"the load {child} outlived its killed parent")
+
+
+def test_benchmark_killed_under_load_leaves_no_load(tmp_path):
+    """scripts/benchmark.py --background-load: SIGKILL the benchmark while a load runs; the load dies with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    cmd = [sys.executable, "scripts/benchmark.py", "--target", "random:configs/tiny-target", "--draft", "ngram",
+           "--policies", "none,static:2", "--split", "test", "--per-category", "1", "--max-new-tokens", "64",
+           "--repeats", "50", "--background-load", "compute", "--out", str(tmp_path), "--no-progress"]
+    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        loads = []
+        for _ in range(600):  # the model loads first (a few seconds), then the first load starts
+            loads = [p for p in psutil.Process(bench.pid).children(recursive=True)
+                     if "a = a @ a" in " ".join(p.cmdline())]
+            if loads or bench.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert loads, "the benchmark never started its background load"
+        bench.send_signal(signal.SIGKILL)
+        bench.wait()
+        gone, alive = psutil.wait_procs(loads, timeout=10)
+        assert not alive, f"the load {alive} outlived the killed benchmark"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
+def test_benchmark_under_loads_pairs_each_load_with_plain_under_it(tiny_model_dirs, tmp_path):
+    """--background-load none,memory: every policy runs under each load in every repeat (the order rotating),
+    each load's speedups are over plain decoding under that load, and every row matches plain decoding."""
+    from bench.benchmark_cli import benchmark_main
+
+    out = tmp_path / "runs"
+    assert benchmark_main(["--target", tiny_model_dirs["target"], "--draft", "ngram", "--policies", "none,static:3",
+                           "--split", "test", "--per-category", "1", "--max-new-tokens", "8", "--repeats", "2",
+                           "--background-load", "none,memory", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads((out / "load_results.json").read_text())
+    runs, summary = doc["runs"], doc["summary"]
+    assert summary["loads"] == ["none", "memory"]
+    order = [(r["repeat"], r["load"]) for r in runs]
+    assert list(dict.fromkeys(order)) == [(0, "none"), (0, "memory"), (1, "memory"), (1, "none")]
+    for load in ("none", "memory"):
+        cell = summary["by_load"][load]["table"]["1"]
+        assert cell["none"]["speedup"] == 1.0 and cell["static:3"]["mismatch_rate"] == 0.0
+        expected = []
+        for repeat in (0, 1):  # by hand: the policy's tokens/s over plain's, both from this load's pass of this repeat
+            mine = [r for r in runs if r["load"] == load and r["repeat"] == repeat]
+            rate = {p: sum(r["new_tokens"] for r in mine if r["policy"] == p) / sum(r["seconds"] for r in mine if r["policy"] == p)
+                    for p in ("none", "static:3")}
+            expected.append(rate["static:3"] / rate["none"])
+        assert cell["static:3"]["speedup_per_repeat"] == pytest.approx(expected, rel=1e-9)

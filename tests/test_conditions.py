@@ -1,0 +1,135 @@
+"""Machine conditions (issue 19): the simulated power cap and co-tenant move the best k the way the physics says,
+the replay env draws a condition per episode with its own costs and counters and keeps the reward exact under
+it, the warm start labels every (context, condition), and the report's ablation shows what the counters carry."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.improve import collect
+from decoding.errors import SpecPilotError
+from decoding.hardware import HW_FEATURES
+from decoding.policies import StaticK
+from env.oracle import CostModel, Trace
+from env.replay_env import MachineCondition, ReplayEnv
+from env.simulate import CONDITIONS, simulate_profile
+
+from test_reward import brute_plain_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = str(ROOT / "configs" / "llama-3.1-8b")
+SIZES, CONTEXTS = [1, 8, 32, 128], [512, 4096, 16384]
+
+
+def best_k(profile, batch, context, accept=0.6, k_max=8):
+    tokens = np.array([(1 - accept ** (k + 1)) / (1 - accept) for k in range(k_max + 1)])
+    return int(np.argmax(tokens / CostModel.from_profile(profile).step_costs(context, batch)[0]))
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    return {c: simulate_profile("a100", TARGET, None, 8, SIZES, CONTEXTS, c) for c in CONDITIONS}
+
+
+def test_a_power_cap_lowers_and_a_cotenant_raises_the_best_k_where_compute_binds(profiles):
+    none, cap, cotenant = profiles["none"], profiles["power-cap"], profiles["cotenant"]
+    # one row: memory-bound under every condition, any k nearly free: the best k does not move
+    assert best_k(none, 1, 512) == best_k(cap, 1, 512) == best_k(cotenant, 1, 512)
+    # a large batch's verify pass is compute-bound: a lower clock makes it dearer than the (memory-bound) plain step
+    assert best_k(cap, 32, 512) < best_k(none, 32, 512) and best_k(cap, 128, 4096) < best_k(none, 128, 4096)
+    # less bandwidth makes every step memory-bound again: speculation pays where it did not
+    assert best_k(cotenant, 128, 512) > best_k(none, 128, 512)
+    # and the scale: a co-tenant halving the bandwidth doubles a one-row step (memory-bound)
+    one = lambda p: CostModel.from_profile(p).step_costs(512, 1)[0][0]  # noqa: E731
+    assert one(cotenant) / one(none) == pytest.approx(2.0, rel=0.05)
+
+
+def test_the_counters_say_which_condition_it_is(profiles):
+    read = {c: dict(zip(HW_FEATURES, p["hardware"])) for c, p in profiles.items()}
+    assert read["power-cap"]["hw_sm_clock_ratio"] < read["none"]["hw_sm_clock_ratio"] == 1.0
+    assert read["power-cap"]["hw_power_ratio"] > read["none"]["hw_power_ratio"]
+    assert read["cotenant"]["hw_gpu_mem_util"] > read["none"]["hw_gpu_mem_util"]
+    assert read["none"]["hw_gpm_available"] == 0.0  # an A100 has no GPM (Hopper and newer)
+    dram = {c: dict(zip(HW_FEATURES, simulate_profile("h100", TARGET, None, 2, [1], [512], c)["hardware"]))[
+        "hw_gpm_dram_bw_util"] for c in ("none", "cotenant")}  # Hopper: GPM reads the DRAM bandwidth in use
+    assert dram["cotenant"] > dram["none"] > 0
+    assert profiles["both"]["condition"]["name"] == "both" and "both" in profiles["both"]["hardware_name"]
+    with pytest.raises(SpecPilotError, match="known conditions"):
+        simulate_profile("a100", TARGET, None, 2, [1], [512], "overclocked")
+
+
+def traces(n=6, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(8, 30)
+        out.append(Trace(f"q{i}", "c", list(range(rng.randint(5, 40))), [7] * length,
+                         [rng.randint(0, 6) for _ in range(length)], [rng.randint(0, 8) for _ in range(length)],
+                         match_lens=[rng.randint(0, 3) for _ in range(length)], k_max=8))
+    return out
+
+
+def conditions(profiles):
+    return [MachineCondition(c, CostModel.from_profile(p), np.asarray(p["hardware"], dtype=np.float32))
+            for c, p in profiles.items()]
+
+
+def test_each_episode_runs_under_one_condition_and_the_return_stays_exact(profiles):
+    """The return of an episode is the plain time saved under the episode's own condition (brute force)."""
+    conds = conditions(profiles)
+    env = ReplayEnv(traces(), conds[0].cost, k_max=8, noise=0.0, batch_sizes=[1, 2, 3], context_lens=[512, 4096],
+                    conditions=conds)
+    seen = set()
+    rng = np.random.default_rng(0)
+    for episode in range(40):
+        obs, info = env.reset(seed=episode)
+        seen.add(info["condition"])
+        chosen = next(c for c in conds if c.name == info["condition"])
+        assert np.array_equal(obs[: len(HW_FEATURES)], chosen.hardware)  # the counters of its condition
+        assert env.cost is chosen.cost
+        rows = env.state.rows
+        prompts, ends = [r.context_offset + r.prompt_len for r in rows], [r.end for r in rows]
+        total = seconds = 0.0
+        done = False
+        while not done:
+            _, reward, done, _, info = env.step(int(rng.integers(0, 9)))
+            total += reward
+            seconds += info["seconds"]
+        plain = brute_plain_seconds(prompts, ends, lambda c, b: float(chosen.cost.step_costs(c, b)[0][0]))
+        assert total == pytest.approx((plain - seconds) / env.credit.unit, rel=1e-9, abs=1e-9)
+    assert seen == set(CONDITIONS)
+    obs, info = env.reset(options={"condition": "power-cap"})
+    assert info["condition"] == "power-cap"
+    with pytest.raises(SpecPilotError, match="unknown condition"):
+        env.reset(options={"condition": "thermal"})
+
+
+def test_counter_noise_reads_each_counter_off_per_episode(profiles):
+    conds = conditions(profiles)
+    env = ReplayEnv(traces(), conds[0].cost, k_max=8, noise=0.0, conditions=conds[:1], hardware_noise=0.05)
+    first = env.reset(seed=1)[0][: len(HW_FEATURES)]
+    second = env.reset(seed=2)[0][: len(HW_FEATURES)]
+    assert not np.array_equal(first, second) and np.abs(first - conds[0].hardware).max() < 0.3
+    assert (first >= 0).all()
+
+
+def test_the_warm_start_labels_every_context_under_every_condition(profiles, monkeypatch):
+    """collect: episode j runs context j mod C under condition j div C mod N, with that condition's costs."""
+    conds = conditions(profiles)
+    seen = []
+    reset = ReplayEnv.reset
+
+    def spy(self, *args, **kwargs):
+        out = reset(self, *args, **kwargs)
+        seen.append((self.state.rows[0].context_len >= 4096, next(c.name for c in conds if c.cost is self.cost)))
+        return out
+
+    monkeypatch.setattr(ReplayEnv, "reset", spy)
+    data = collect(StaticK(2), traces(), conds[0].cost, 8, None, [2], {2: 8}, 12, progress=False,
+                   context_lens=[512, 4096], conditions=conds)
+    assert seen == [(j % 2 == 1, list(CONDITIONS)[(j // 2) % 4]) for j in range(8)]
+    assert len(data.obs) > 0 and (data.regret >= 0).all() and (data.regret.min(axis=1) == 0).all()
