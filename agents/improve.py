@@ -65,12 +65,15 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
     rng = np.random.default_rng(seed)
     obs, regret, batch = [], [], []
     plan = []
+    # the traces in a seeded order: fewer episodes than traces must not all come from the head of the file
+    # (where a prompt set's original prompts sit, before the prompts added later: long contexts, synthetic)
+    order = [int(i) for i in rng.permutation(len(traces))]
     for b in batch_sizes:
         n = episodes.get(b, 0)
         if b == 1 and n >= len(traces):
             plan += [(1, [i]) for i in range(len(traces))]
         elif n:
-            groups = batches_of(len(traces), b)
+            groups = [[order[i] for i in group] for group in batches_of(len(traces), b)]
             plan += [(b, [int(i) for i in rng.permutation(len(traces))[:b]]) if j >= len(groups) else (b, groups[j])
                      for j in range(n)]
     bar = tqdm(total=len(plan), desc="rollout labels", disable=not progress, file=sys.stderr)

@@ -99,6 +99,10 @@ class TrainConfig:
     the counters carry what the policy needs to know about the machine."""
     hardware_noise: float = 0.02
     """With --condition-profiles: each replay episode reads every counter off by this standard deviation."""
+    background_load: str = "none"
+    """Comma-separated background loads the real-loop env draws from per episode (env/load.py: none | compute
+    | memory | both), started and stopped by the env (never left running, not even when the run is killed);
+    the reward prices plain decoding by its speed measured under the same load."""
     n_envs: int = 1
     """Envs PPO steps at once: replay envs in N processes (one core each); real-loop envs one per visible GPU
     (each process loads the target on its GPU), or on the CPU N envs sharing this process's model."""
@@ -298,10 +302,14 @@ def train_main(argv: list[str] | None = None) -> int:
         plain_speed.save(speed_path)
 
     at_least(1, n_envs=cfg.n_envs)
+    loads = [x.strip() for x in cfg.background_load.split(",") if x.strip()]
+    if loads != ["none"] and cfg.env == "replay":
+        raise SpecPilotError("--background-load runs beside the real loop; --env replay has none (use --condition-profiles)")
 
     def env_fn():
         return SpecDecodeEnv(target, draft, train_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
-                             plain_speed=plain_speed, reward=str(hp["reward"]), batch_sizes=real_batch_sizes)
+                             plain_speed=plain_speed, reward=str(hp["reward"]), batch_sizes=real_batch_sizes,
+                             loads=loads)
 
     def real_env_fns() -> EnvFns:
         gpus = gpu_names() if torch_device.startswith("cuda") else []
@@ -313,7 +321,7 @@ def train_main(argv: list[str] | None = None) -> int:
                 own = load_target(cfg.target, cfg.dtype, f"cuda:{index}")
                 return SpecDecodeEnv(own, load_draft(cfg.draft, own, cfg.dtype), train_prompts, k_max=k_max,
                                      max_new_tokens=int(hp["max_new_tokens"]), plain_speed=plain_speed,
-                                     reward=str(hp["reward"]), batch_sizes=real_batch_sizes)
+                                     reward=str(hp["reward"]), batch_sizes=real_batch_sizes, loads=loads)
             return make
 
         return EnvFns([on_gpu(i % len(gpus)) for i in range(cfg.n_envs)], subprocess=True)
@@ -382,6 +390,7 @@ def train_main(argv: list[str] | None = None) -> int:
         meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
                                   check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
                                   activation=str(hp["activation"]))
+        venv.close()  # its envs' processes and background loads
         how = "checked against SB3's actions"
     elif init is not None:  # the warm start alone (no PPO steps asked for)
         meta_path = write_policy(out, init[0], init[1], str(hp["activation"]), k_max, device_key, hardware_name, 0,

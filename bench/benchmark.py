@@ -44,7 +44,7 @@ class BatchRun:
     category: str = ""
     """The prompt's category (single-prompt runs)."""
     load: str = "none"
-    """The background load the run ran beside (bench/load.py)."""
+    """The background load the run ran beside (env/load.py)."""
 
 
 def run_benchmark(target, draft, policies: dict[str, LengthPolicy], prompts: list[Prompt], *args, **kwargs) -> list[BatchRun]:
@@ -68,9 +68,9 @@ def run_batch_benchmark(
 ) -> list[BatchRun]:
     """Every policy on the same batches of prompts at each batch size (B prompts decoded together),
     interleaved: the policy order rotates from one batch to the next, so slow drift hits all alike.
-    With `loads` (bench/load.py), each repeat runs the whole plan under each background load in turn (the
+    With `loads` (env/load.py), each repeat runs the whole plan under each background load in turn (the
     order rotating from one repeat to the next), the load started before its pass and stopped after it."""
-    from .load import LOADS, background_load
+    from env.load import LOADS, background_load
 
     if "none" not in policies:
         raise SpecPilotError("the benchmark needs the 'none' policy (plain decoding) as its baseline")
@@ -369,7 +369,7 @@ def loads_markdown_report(summary: dict, meta: dict, plot_name: str, command: st
              f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split), "
              f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; greedy; {meta.get('repeats')} repeats. "
              "Each repeat runs every policy on the same batches under each load in turn (the order rotating between "
-             "repeats; the load started by the benchmark before its pass and stopped after it, bench/load.py). "
+             "repeats; the load started by the benchmark before its pass and stopped after it, env/load.py). "
              "Cells: speedup over plain decoding *under the same load*, paired within each repeat: geometric mean "
              "[approx. 95% interval]; then the plain tokens/s, to show the load's scale.", ""]
     cols = [(load, b) for load in loads for b in sizes]

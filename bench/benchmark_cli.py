@@ -41,7 +41,7 @@ from .benchmark import (
     summarize_loads,
     write_results,
 )
-from .load import LOADS
+from env.load import LOADS
 from .plots import plot_batch_benchmark, plot_benchmark, plot_load_benchmark
 from .replay_check import format_check, replay_check
 from .report import write_report
@@ -106,7 +106,7 @@ class BenchmarkConfig:
     progress: bool = True
     """Show a progress bar."""
     background_load: str = "none"
-    """Comma-separated background loads to run every policy under, e.g. none,compute,memory (bench/load.py:
+    """Comma-separated background loads to run every policy under, e.g. none,compute,memory (env/load.py:
     compute = one core of matrix multiplies, memory = a stream of large copies, both): each repeat runs the
     whole plan under each load in turn, the load started and stopped by the benchmark (never left running,
     not even when it is killed); speedups are over plain decoding under the same load."""

@@ -16,7 +16,7 @@ from decoding.paths import atomic_write_text, slug, traces_path
 from env.oracle import CostModel, load_profile, load_traces, train_traces
 
 from .batch_table import goodput_table
-from .load import LOADS
+from env.load import LOADS
 
 COUNTERS = ("hw_cpu_util", "hw_cpu_freq_ratio", "hw_load_per_core")
 

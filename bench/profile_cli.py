@@ -21,7 +21,7 @@ from env.oracle import load_profile
 from env.profile import profile_costs
 from env.simulate import compare_profiles, save_profile, simulate_profile
 
-from .load import LOADS, background_load
+from env.load import LOADS, background_load
 from .plots import plot_profile
 
 
@@ -75,7 +75,7 @@ class ProfileConfig:
     """Context lengths of a simulated profile."""
     background_load: str = "none"
     """Profile under a background load the command starts and stops itself: none | compute (one core of
-    matrix multiplies) | memory (a stream of large copies) | both (bench/load.py); the profile is written as
+    matrix multiplies) | memory (a stream of large copies) | both (env/load.py); the profile is written as
     DEVICE[-DRAFT]-load-KIND.json and records the load and the counters as they read under it."""
     condition: str = "none"
     """With --simulate: the machine condition simulated (env/simulate.py CONDITIONS): none | power-cap (SM clock

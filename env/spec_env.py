@@ -9,6 +9,11 @@ each episode draws a batch size and that many prompts and decodes them together;
 with the plain decoding time it removed from the batch (`env.episode.PlainCredit`: the batch ends
 with its last row, so advancing the row furthest behind is what saves time), in plain steps of the
 episode's batch.
+
+With `loads` (env/load.py: none, compute, memory, both), each episode draws a background load and runs beside
+it, the load started when the episode starts and stopped when the next one changes it, at `close()`, and with
+the process if it is killed; plain decoding is priced by the plain speed measured under that load
+(`plain_speeds`), so the reward stays the time saved against plain decoding on the same busy machine.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from decoding.prompts import Prompt, load_prompts
 from decoding.sampling import Sampling
 
 from .episode import EpisodeStats, PlainCredit, step_reward
+from .load import LOADS, start_load, stop_load
 from .plain_speed import PlainSpeed, measure_plain_speed
 
 
@@ -44,6 +50,8 @@ class SpecDecodeEnv(gym.Env):
         encoded: list[list[int]] | None = None,
         reward: str = "saved",
         batch_sizes: tuple[int, ...] | list[int] = (1,),
+        loads: tuple[str, ...] | list[str] = ("none",),
+        plain_speeds: dict[str, PlainSpeed] | None = None,
     ):
         super().__init__()
         if target is None:  # gym.make with no arguments: the embedded pair
@@ -59,9 +67,23 @@ class SpecDecodeEnv(gym.Env):
         self.batch_sizes = [int(b) for b in batch_sizes]
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise SpecPilotError(f"batch sizes must be >= 1, got {batch_sizes}")
-        self.plain_speed = plain_speed or measure_plain_speed(target, self._encoded[0], batch_sizes=self.batch_sizes)
+        self.loads = list(loads)
+        if not self.loads or any(x not in LOADS for x in self.loads):
+            raise SpecPilotError(f"background loads are ones of {', '.join(LOADS)}, got {loads}")
+        self.plain_speeds = dict(plain_speeds or {})
+        if plain_speed is not None and "none" in self.loads:  # `plain_speed`: measured without a load
+            self.plain_speeds.setdefault("none", plain_speed)
+        for load in self.loads:  # plain decoding's speed under each load, measured beside it
+            if load not in self.plain_speeds:
+                procs = start_load(load)
+                try:
+                    self.plain_speeds[load] = measure_plain_speed(target, self._encoded[0], batch_sizes=self.batch_sizes)
+                finally:
+                    stop_load(procs)
+        self.load, self._load_procs = self.loads[0], []
+        self.plain_speed = self.plain_speeds[self.load]
         self.observer = observer or ObservationBuilder(k_max)
-        self.credit = PlainCredit(self.plain_speed.step_seconds)
+        self.credit = PlainCredit(lambda context, rows: self.plain_speed.step_seconds(context, rows))
         self.action_space = gym.spaces.Discrete(k_max + 1)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state = None
@@ -79,13 +101,29 @@ class SpecDecodeEnv(gym.Env):
             indices = [int(i) for i in self.np_random.integers(len(self.prompts), size=batch)]
             prompt_ids = [self._encoded[i] for i in indices]
         self.prompt = self.prompts[indices[0]]
+        self._switch_load(str(options.get("load") or (self.loads[0] if len(self.loads) == 1
+                                                       else self.np_random.choice(self.loads))))
         self.state = start(self.target, self.draft, prompt_ids, self.max_new_tokens, self.sampling,
                            seed=int(self.np_random.integers(2**31)))
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
         self.credit.reset(self.state)
         return self.observer.build(self.state), {"question_id": self.prompt.question_id, "category": self.prompt.category,
-                                                 "batch_size": len(indices)}
+                                                 "batch_size": len(indices), "load": self.load}
+
+    def _switch_load(self, load: str) -> None:
+        """Run the coming episode beside `load`: the running load is stopped when it changes."""
+        if load not in self.plain_speeds:
+            raise SpecPilotError(f"unknown background load '{load}'; this env has {', '.join(self.loads)}")
+        if load != self.load or (load != "none" and not self._load_procs):
+            stop_load(self._load_procs)
+            self._load_procs = start_load(load)
+        self.load, self.plain_speed = load, self.plain_speeds[load]
+
+    def close(self) -> None:
+        stop_load(self._load_procs)
+        self._load_procs = []
+        super().close()
 
     def step(self, action):
         if self.state is None or self.state.done:

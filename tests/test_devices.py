@@ -197,12 +197,12 @@ def test_background_load_never_outlives_its_run(tmp_path):
     import sys
     import time
 
-    from bench.load import background_load
+    from env.load import background_load
 
     with background_load("both") as procs:
         assert len(procs) == 2 and all(p.poll() is None for p in procs)
     assert all(p.poll() is not None for p in procs)
-    script = ("import time\nfrom bench.load import start_load\nprocs = start_load('compute')\n"
+    script = ("import time\nfrom env.load import start_load\nprocs = start_load('compute')\n"
               "print(procs[0].pid, flush=True)\ntime.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})

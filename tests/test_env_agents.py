@@ -549,3 +549,43 @@ def test_a_policy_of_the_older_layout_is_kept_and_restores_with_one_mv(trained, 
     restored = LearnedK.load(folder)
     assert restored.meta["training_steps"] == before.meta["training_steps"]
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(restored.layers, before.layers))
+
+
+def test_real_env_runs_beside_the_background_load_it_draws(tiny_env_parts):
+    """loads: each episode runs beside its load (started and stopped by the env), priced by plain decoding's
+    speed under that same load; close() leaves no load behind."""
+    import psutil
+
+    target, draft, speed = tiny_env_parts
+    busy = PlainSpeed([16, 1024], [0.005, 0.007])
+    env = SpecDecodeEnv(target, draft, SMALL_PROMPTS, k_max=4, max_new_tokens=6, loads=["none", "compute"],
+                        plain_speeds={"none": speed, "compute": busy})
+
+    def loads_running():
+        return [p for p in psutil.Process().children(recursive=True) if "a = a @ a" in " ".join(p.cmdline())]
+
+    try:
+        _, info = env.reset(seed=0, options={"load": "compute"})
+        assert info["load"] == "compute" and len(loads_running()) == 1
+        context = env.credit.context0
+        assert env.credit.unit == pytest.approx(busy.step_seconds(context, 1))
+        done, total, seconds = False, 0.0, 0.0
+        while not done:
+            _, reward, done, _, step = env.step(2)
+            total += reward
+            seconds += step["seconds"]
+        assert total == pytest.approx((env.episode.plain_seconds - seconds) / env.credit.unit, rel=1e-6)
+        assert env.episode.plain_seconds == pytest.approx(
+            sum(busy.step_seconds(context + j, 1) for j in range(len(env.state.rows[0].generated))), rel=1e-6)
+        _, info = env.reset(seed=1, options={"load": "none"})
+        assert info["load"] == "none"
+        psutil.wait_procs([p for p in psutil.Process().children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE],
+                          timeout=1)
+        assert not [p for p in loads_running() if p.status() != psutil.STATUS_ZOMBIE]
+        drawn = {env.reset(seed=s)[1]["load"] for s in range(12)}
+        assert drawn == {"none", "compute"}
+        with pytest.raises(SpecPilotError, match="unknown background load"):
+            env.reset(options={"load": "memory"})
+    finally:
+        env.close()
+    assert not loads_running()
