@@ -188,9 +188,12 @@ def _plot(doc: dict, path: Path) -> None:
         res = doc["results"][device]
         names = [n for n in policy_names(res) if n not in ("oracle",)]
         width = 0.8 / len(names)
+        lowest = 1.0
         for i, name in enumerate(names):
             means = [summary(res, c, name)[0] for c in conds]
+            lowest = min(lowest, *means)
             ax.bar(np.arange(len(conds)) + i * width, means, width, label=name)
+        ax.set_ylim(max(0.0, lowest - 0.1), None)  # the differences, not the bars' common base
         ax.set_xticks(np.arange(len(conds)) + 0.4 - width / 2, conds)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_ylabel("speedup over plain, same condition (grid mean)")
