@@ -235,6 +235,21 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
     return (layers, norm), history
 
 
+def fitting_prompts(target, prompts: list, room: int) -> list:
+    """The prompts whose chat-encoded length leaves `room` tokens in the target's context window (all of them
+    when the target has no window); says how many it left out, and fails when none fits."""
+    window = target.context_window
+    if not window:
+        return prompts
+    fits = [p for p in prompts if len(target.encode(p.text, chat=True)) + room <= window]
+    if not fits:
+        raise SpecPilotError(f"no train prompt fits the target's context window ({window} tokens) with {room} to spare")
+    if len(fits) < len(prompts):
+        warn(f"{len(prompts) - len(fits)} of {len(prompts)} train prompts do not fit the target's context window "
+             f"({window} tokens) with {room} to spare; the real-loop env leaves them out")
+    return fits
+
+
 def plan_steps(cfg: TrainConfig, hp: dict, mode: str) -> dict[str, int]:
     """{phase: PPO env steps} for this run's phases, before rounding to whole rollouts (agents.ppo.fit_rollouts).
 
@@ -288,6 +303,7 @@ def train_main(argv: list[str] | None = None) -> int:
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
+    real_prompts = fitting_prompts(target, train_prompts, int(hp["max_new_tokens"]) + k_max + 1)
     out = policy_dir(device_key, draft.name, cfg.out)
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -297,7 +313,7 @@ def train_main(argv: list[str] | None = None) -> int:
     elif cfg.resume and speed_path.exists():
         plain_speed = PlainSpeed.load(speed_path)
     else:
-        plain_speed = measure_plain_speed(target, target.encode(train_prompts[0].text, chat=True),
+        plain_speed = measure_plain_speed(target, target.encode(real_prompts[0].text, chat=True),
                                           batch_sizes=real_batch_sizes)
         plain_speed.save(speed_path)
 
@@ -307,7 +323,7 @@ def train_main(argv: list[str] | None = None) -> int:
         raise SpecPilotError("--background-load runs beside the real loop; --env replay has none (use --condition-profiles)")
 
     def env_fn():
-        return SpecDecodeEnv(target, draft, train_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
+        return SpecDecodeEnv(target, draft, real_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
                              plain_speed=plain_speed, reward=str(hp["reward"]), batch_sizes=real_batch_sizes,
                              loads=loads)
 
@@ -319,7 +335,7 @@ def train_main(argv: list[str] | None = None) -> int:
         def on_gpu(index: int):
             def make():  # runs in the env's own process: its own copy of the models on its own GPU
                 own = load_target(cfg.target, cfg.dtype, f"cuda:{index}")
-                return SpecDecodeEnv(own, load_draft(cfg.draft, own, cfg.dtype), train_prompts, k_max=k_max,
+                return SpecDecodeEnv(own, load_draft(cfg.draft, own, cfg.dtype), real_prompts, k_max=k_max,
                                      max_new_tokens=int(hp["max_new_tokens"]), plain_speed=plain_speed,
                                      reward=str(hp["reward"]), batch_sizes=real_batch_sizes, loads=loads)
             return make
