@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decoding.config import at_least, parse_config, parse_ints, warn
@@ -42,6 +42,7 @@ from .benchmark import (
     write_results,
 )
 from env.load import LOADS
+from .paired_cli import paired_ratios, versus_markdown
 from .plots import plot_batch_benchmark, plot_benchmark, plot_load_benchmark
 from .replay_check import format_check, replay_check
 from .report import write_report
@@ -105,6 +106,9 @@ class BenchmarkConfig:
     written by scripts/tune_rules.py on the train split)."""
     progress: bool = True
     """Show a progress bar."""
+    versus: str | None = None
+    """Also compare every policy with this one (e.g. best-rule): their tokens/s ratio paired within each repeat,
+    with an interval, in the printout and the report (bench/paired_cli.py)."""
     background_load: str = "none"
     """Comma-separated background loads to run every policy under, e.g. none,compute,memory (env/load.py:
     compute = one core of matrix multiplies, memory = a stream of large copies, both): each repeat runs the
@@ -188,9 +192,23 @@ def _policy_sources(policies: dict) -> dict:
     return {n: relative(p.path) if getattr(p, "path", None) else getattr(p, "table", None) or n for n, p in policies.items()}
 
 
+def _versus(cfg, runs, summary: dict, markdown):
+    """With --versus: each policy's paired ratio over it (summary["versus"], printed) and the report section."""
+    if not cfg.versus:
+        return markdown
+    if cfg.versus not in summary["policies"]:
+        raise SpecPilotError(f"--versus {cfg.versus} is not one of the policies run ({', '.join(summary['policies'])})")
+    rows = [asdict(r) for r in runs]
+    table = {p: paired_ratios(rows, p, cfg.versus) for p in summary["policies"] if p not in ("none", cfg.versus)}
+    summary["versus"] = {"policy": cfg.versus, "cells": table}
+    print(versus_markdown(cfg.versus, table))
+    return lambda *args: markdown(*args) + versus_markdown(cfg.versus, table)
+
+
 def _save(cfg, argv, runs, summary: dict, meta: dict, prefix: str, plot, markdown) -> Path:
     """OUT/{prefix}results.json and OUT/{prefix}benchmark.png (drawn by `plot(path)`), and with --report
     the report page (`markdown(summary, meta, plot name, command)`) with its plot and JSON."""
+    markdown = _versus(cfg, runs, summary, markdown)
     path = write_results(cfg.out, runs, summary, meta, f"{prefix}results.json")
     png = path.parent / f"{prefix}benchmark.png"
     plot(png)

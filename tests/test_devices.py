@@ -261,9 +261,10 @@ def test_benchmark_under_loads_pairs_each_load_with_plain_under_it(tiny_model_di
     from bench.benchmark_cli import benchmark_main
 
     out = tmp_path / "runs"
-    assert benchmark_main(["--target", tiny_model_dirs["target"], "--draft", "ngram", "--policies", "none,static:3",
+    assert benchmark_main(["--target", tiny_model_dirs["target"], "--draft", "ngram", "--policies", "none,static:3,static:1",
                            "--split", "test", "--per-category", "1", "--max-new-tokens", "8", "--repeats", "2",
-                           "--background-load", "none,memory", "--out", str(out), "--no-progress"]) == 0
+                           "--background-load", "none,memory", "--versus", "static:1", "--out", str(out),
+                           "--no-progress"]) == 0
     doc = json.loads((out / "load_results.json").read_text())
     runs, summary = doc["runs"], doc["summary"]
     assert summary["loads"] == ["none", "memory"]
@@ -279,3 +280,10 @@ def test_benchmark_under_loads_pairs_each_load_with_plain_under_it(tiny_model_di
                     for p in ("none", "static:3")}
             expected.append(rate["static:3"] / rate["none"])
         assert cell["static:3"]["speedup_per_repeat"] == pytest.approx(expected, rel=1e-9)
+        versus = []  # --versus static:1: static:3 over static:1 within each repeat, under this load
+        for repeat in (0, 1):
+            mine = [r for r in runs if r["load"] == load and r["repeat"] == repeat]
+            rate = {p: sum(r["new_tokens"] for r in mine if r["policy"] == p) / sum(r["seconds"] for r in mine if r["policy"] == p)
+                    for p in ("static:1", "static:3")}
+            versus.append(rate["static:3"] / rate["static:1"])
+        assert summary["versus"]["cells"]["static:3"][f"{load} B=1"]["per_repeat"] == pytest.approx(versus, rel=1e-9)
