@@ -24,34 +24,18 @@ from env.replay_env import replay_evaluate
 from env.simulate import CONDITIONS
 
 from .batch_table import BatchContextTableK, BatchTableK, goodput_table
-from .simulated_cli import best_static, oracle_speedup, split_traces
+from .simulated_cli import SimulatedReportConfig, best_static, oracle_speedup, split_traces
 
 PINNED = "learned, counters pinned"
 RETUNED = "context table re-tuned"
 
 
 @dataclass
-class ConditionsReportConfig:
+class ConditionsReportConfig(SimulatedReportConfig):
     """Compare k policies under simulated machine conditions (replay, SIMULATED)."""
 
-    devices: str = "a100,h100"
-    """Comma-separated chips with profiles/DEVICE[-CONDITION]-simulated.json for every condition."""
     conditions: str = "none,power-cap,cotenant,both"
     """Machine conditions (env/simulate.py CONDITIONS); the first is the one the rules are tuned under."""
-    batch_sizes: str = "1,8,32,128"
-    """Batch sizes of the grid."""
-    context_lens: str = "512,4096,16384"
-    """Context lengths of the grid."""
-    split: str = "test"
-    """Traces scored: test | ood (the rules and the learned policy saw the train split only)."""
-    max_new_tokens: int = 48
-    """Tokens per row."""
-    k_max: int = 8
-    """Largest k."""
-    draft: str = "ngram:3"
-    """Draft whose acceptance traces are replayed (profiles/traces-DRAFT.json)."""
-    profiles: str = "profiles"
-    """Folder of the simulated profiles."""
     policies: str = "policies-simulated"
     """Root of the learned policies (POLICIES/DEVICE/DRAFT)."""
     report: str = "reports/simulated-conditions.md"
