@@ -29,6 +29,10 @@ from env.oracle import CostModel, Trace
 from env.replay_env import MachineCondition, ReplayEnv
 
 
+ENTROPY = 0.02
+"""Weight of the fit's entropy bonus, in plain steps of regret (see `fit`)."""
+
+
 @dataclass
 class Dataset:
     obs: np.ndarray
@@ -109,7 +113,8 @@ def merge(*sets: Dataset) -> Dataset:
 
 
 def fit(data: Dataset, hidden: list[int], activation: str = "tanh", epochs: int = 300, lr: float = 3e-3,
-        seed: int = 0, batch_weights: dict[int, float] | None = None) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict]:
+        seed: int = 0, batch_weights: dict[int, float] | None = None,
+        entropy: float = ENTROPY) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict]:
     """An MLP minimising the expected regret of its softmax policy; returns its layers as (W, b) arrays and
     the normalisation LearnedK applies (features that hardly varied are pinned, as in PPO training)."""
     torch.manual_seed(seed)
@@ -133,8 +138,12 @@ def fit(data: Dataset, hidden: list[int], activation: str = "tanh", epochs: int 
     generator = torch.Generator().manual_seed(seed)
     for epoch in range(epochs):
         for idx in torch.randperm(len(x), generator=generator).split(512):
-            probs = torch.softmax(net(x[idx]), dim=-1)
-            loss = ((probs * r[idx]).sum(-1) * w[idx]).sum() / w[idx].sum()
+            logp = torch.log_softmax(net(x[idx]), dim=-1)
+            probs = logp.exp()
+            # expected regret minus an entropy bonus: per state its minimiser is softmax(-E[regret | obs] / entropy),
+            # whose argmax is still the k of least expected regret, and its gradient does not vanish on a state
+            # whose softmax settled early on a wrong k (plain expected regret stalls there)
+            loss = (((probs * r[idx]).sum(-1) + entropy * (probs * logp).sum(-1)) * w[idx]).sum() / w[idx].sum()
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -19,29 +19,15 @@ import math
 import numpy as np
 import torch
 
+from decoding.drafters import match_statistics
 from decoding.paths import profile_path, traces_path
 from env.oracle import CostModel, Trace, load_profile, load_traces, oracle_schedule, plain_seconds, truncate
 
 
-def _search(ctx: list[int], max_n: int = 3) -> tuple[int, list[int]]:
-    for n in range(min(max_n, len(ctx) - 1), 0, -1):
-        hits = [s for s in range(len(ctx) - n) if ctx[s : s + n] == ctx[len(ctx) - n :]]
-        if hits:
-            return n, hits
-    return 0, []
-
-
 def match_features(trace: Trace, i: int) -> tuple[int, int, float]:
-    """(extension of the match beyond n, occurrences of the n-gram, agreement of their continuations)."""
-    ctx = trace.prompt_ids + trace.output_ids[:i]
-    n, hits = _search(ctx)
-    if not hits:
-        return 0, 0, 0.0
-    start, ext = hits[-1] + n, 0
-    while ext < 32 and start - 1 - ext >= 0 and ctx[start - 1 - ext] == ctx[len(ctx) - 1 - ext]:
-        ext += 1
-    nexts = [ctx[h + n] for h in hits if h + n < len(ctx)]
-    return ext, len(hits), sum(x == ctx[start] for x in nexts) / len(nexts)
+    """(suffix agreeing before the continuation, occurrences of the n-gram, agreement of their continuations):
+    `decoding.drafters.match_statistics`, what the learned policy reads too."""
+    return match_statistics(np.asarray(trace.prompt_ids + trace.output_ids[:i]), 3)
 
 
 def features(trace: Trace, i: int, shadow: float, extra: tuple[int, int, float]) -> list[float]:

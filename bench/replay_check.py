@@ -59,8 +59,8 @@ def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]
             for name, rec in (("real", real), ("replay", replay))}
     real_obs = np.array([o for o, _ in real.seen])
     replay_obs = np.array([o for o, _ in replay.seen])
-    if hasattr(policy, "inv_std"):  # a learned policy: its own normalisation (pinned features: 0)
-        scale = policy.inv_std
+    if hasattr(policy, "feature_scale"):  # a learned policy: its own normalisation (pinned or unread features: 0)
+        scale = policy.feature_scale()
     else:
         std = np.concatenate([real_obs, replay_obs]).std(axis=0)
         scale = np.where(std > 0, 1.0 / np.where(std > 0, std, 1.0), 0.0)

@@ -57,7 +57,8 @@ class Drafter(Protocol):
         """The first `length` tokens of the context are confirmed; forget any state beyond them."""
 
     # optional: `peek(context, k) -> (match_len, available)`, what the drafter could propose now without
-    # running a model (the observation builder reads it; prompt-lookup drafters have it for free)
+    # running a model (the observation builder reads it; prompt-lookup drafters have it for free), and
+    # `match_stats(context, row) -> (suffix, occurrences, agreement)` (`match_statistics`)
     # optional, for batched decoding (B > 1): `reset_batch(contexts)`, `rollback_batch(lengths, rows)`
     # and `propose_batch(contexts, k, sampling, generator, stop_below, target_hidden, rows) -> Draft`
     # with tokens (rows, n) (a row with fewer proposals pads: padding is rejected like any wrong guess)
@@ -88,6 +89,43 @@ def crop_cache(cache, keep: int) -> None:
         cache.crop(-extra)
 
 
+MATCH_CAP = 32
+"""The n-gram match statistics count up to this many tokens (or occurrences)."""
+
+
+def ngram_search(context: np.ndarray, max_n: int, min_n: int = 1) -> tuple[int, int, np.ndarray]:
+    """(start of the continuation, matched n, the start of every earlier occurrence of the last n tokens) of
+    the most recent earlier match (n from max_n down to min_n); (len, 0, empty) when nothing matches."""
+    length = context.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = context[length - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)  # end before the last token
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            return int(hits[-1]) + n, n, hits
+    return length, 0, np.empty(0, dtype=np.int64)
+
+
+def match_statistics(context: np.ndarray, max_n: int, min_n: int = 1) -> tuple[int, int, float]:
+    """(suffix, occurrences, agreement) of the context's current prompt-lookup match: how many tokens before
+    the continuation agree with the context's last tokens (the n-gram and beyond, up to MATCH_CAP), how
+    often the n-gram occurred before (up to MATCH_CAP), and the share of those occurrences followed by the
+    token the draft proposes. A long suffix and agreeing occurrences mean a copy; a short one, a coincidence.
+    (0, 0, 0.0) when nothing matches."""
+    return statistics_of_match(context, *ngram_search(context, max_n, min_n))
+
+
+def statistics_of_match(context: np.ndarray, start: int, n: int, hits: np.ndarray) -> tuple[int, int, float]:
+    """`match_statistics` of a search already made (`ngram_search`'s result)."""
+    if not n:
+        return 0, 0, 0.0
+    length, suffix = context.shape[0], n
+    while suffix < MATCH_CAP and start - 1 - suffix >= 0 and context[start - 1 - suffix] == context[length - 1 - suffix]:
+        suffix += 1
+    agreement = float((context[hits + n] == context[start]).mean())
+    return suffix, min(int(hits.size), MATCH_CAP), agreement
+
+
 class NgramDrafter:
     """Model-free prompt-lookup drafting: find the most recent earlier occurrence of the context's
     last n tokens (n from `max_n` down to `min_n`) and propose the tokens that followed it."""
@@ -99,7 +137,7 @@ class NgramDrafter:
             raise SpecPilotError(f"ngram drafter needs 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.name = f"ngram:{max_n}"
-        self._last: dict[int, tuple[int, int, int]] = {}
+        self._last: dict[int, tuple] = {}  # row -> (context length, start, n, earlier occurrences, host tokens)
         # each row's confirmed tokens on the host: the search runs in numpy, and a step copies only the tokens
         # confirmed since the last one from the device (one small transfer, not one per candidate n)
         self._host: dict[int, np.ndarray] = {}
@@ -130,8 +168,9 @@ class NgramDrafter:
         length = context.shape[0]
         last = self._last.get(row) if self._last else None
         if last is None or last[0] != length:
-            last = self._last[row] = (length, *self._search(self._host_copy(context, row)))
-        _, start, n = last
+            host = self._host_copy(context, row)
+            last = self._last[row] = (length, *ngram_search(host, self.max_n, self.min_n), host)
+        _, start, n, _, _ = last
         return context[start : start + k], n
 
     def _host_copy(self, context: torch.Tensor, row: int) -> np.ndarray:
@@ -145,16 +184,12 @@ class NgramDrafter:
         self._host[row] = held
         return held
 
-    def _search(self, context: np.ndarray) -> tuple[int, int]:
-        """(start of the continuation, matched n-gram length) of the most recent earlier match."""
-        length = context.shape[0]
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            tail = context[length - n :]
-            windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)  # end before the last token
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                return int(hits[-1]) + n, n
-        return length, 0
+    def match_stats(self, context: torch.Tensor, row: int = 0) -> tuple[int, int, float]:
+        """How trustworthy the current match is (`match_statistics`), for the observation builder; from the
+        search `lookup` made (or makes) for this context, not a second one."""
+        self.lookup(context, 0, row)
+        _, start, n, hits, host = self._last[row]
+        return statistics_of_match(host, start, n, hits)
 
     def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
         if k <= 0:

@@ -57,6 +57,10 @@ class LearnedK(LengthPolicy):
         self.meta, self.path = meta, path
         self.name = "learned"
         self.k_max = int(meta["k_max"])
+        # the features it reads, in its order: all of this version's, or (a policy exported before features were
+        # added) a subset, taken from the observation by name
+        self.features = list(meta.get("features") or FEATURES)
+        self._columns = None if self.features == list(FEATURES) else np.array([FEATURES.index(f) for f in self.features])
         self.action_to_k = [int(k) for k in meta["action_to_k"]]
         norm = meta["normalization"]
         self.mean = np.asarray(norm["mean"], dtype=np.float64)
@@ -64,7 +68,7 @@ class LearnedK(LengthPolicy):
         # features that hardly varied in training are held at their training mean (as agents.ppo.PinnedVecNormalize
         # does in training): their weights never learned anything, and a ~0 std turns noise into a clipped input
         still = pinned_mask(norm["var"])
-        self.pinned = [f for f, s in zip(FEATURES, still) if s]
+        self.pinned = [f for f, s in zip(self.features, still) if s]
         self.inv_std[still] = 0.0
         self.clip = float(norm["clip"])
         # the range each feature took in training (optional): inputs are clipped into it, so that an unseen
@@ -114,13 +118,12 @@ class LearnedK(LengthPolicy):
         if version != FORMAT_VERSION:
             raise SpecPilotError(f"policy {path} has format version {version}; this specpilot reads version {FORMAT_VERSION}")
         features = meta.get("features")
-        if features != list(FEATURES):
-            missing = sorted(set(FEATURES) - set(features or []))
-            extra = sorted(set(features or []) - set(FEATURES))
+        unknown = sorted(set(features or []) - set(FEATURES))
+        if not features or unknown or len(set(features)) != len(features):
             raise SpecPilotError(
-                f"policy {path} was trained on other observation features (missing {missing[:4]}, unknown {extra[:4]}"
-                f"{', or another order' if not missing and not extra else ''}); retrain it with this version"
-            )
+                f"policy {path} was trained on other observation features (unknown {unknown[:4]}"
+                f"{', or none listed' if not features else ''}{', or repeated' if features and not unknown else ''}); "
+                "retrain it with this version")
         if meta.get("device") != here and not allow_device_mismatch:
             raise SpecPilotError(
                 f"policy {path} was trained on device '{meta.get('device')}' ({meta.get('hardware_name')}), this is "
@@ -147,7 +150,9 @@ class LearnedK(LengthPolicy):
         return policy
 
     def _check_shapes(self) -> None:
-        width = len(FEATURES)
+        width = len(self.features)
+        if self.mean.shape != (width,):
+            raise SpecPilotError(f"policy {self.path}: normalisation of {self.mean.shape[0]} features, {width} listed")
         for i, (wt, b) in enumerate(self.layers):
             if wt.ndim != 2 or wt.shape[0] != width or b.shape != (wt.shape[1],):
                 raise SpecPilotError(f"policy {self.path}: layer {i} has shape {wt.T.shape}, expected (*, {width})")
@@ -155,9 +160,18 @@ class LearnedK(LengthPolicy):
         if width != len(self.action_to_k):
             raise SpecPilotError(f"policy {self.path}: {width} outputs but {len(self.action_to_k)} actions")
 
+    def feature_scale(self) -> np.ndarray:
+        """1 / the training std of each observation feature (FEATURES order); 0 for pinned or unread ones."""
+        scale = np.zeros(len(FEATURES))
+        scale[self._columns if self._columns is not None else slice(None)] = self.inv_std
+        return scale
+
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Action logits for one observation (or a batch, shape (n, features))."""
-        x = np.minimum(np.maximum(np.asarray(obs, dtype=np.float64), self._lo), self._hi)
+        x = np.asarray(obs, dtype=np.float64)
+        if self._columns is not None:
+            x = x[..., self._columns]
+        x = np.minimum(np.maximum(x, self._lo), self._hi)
         return self._forward((x - self.mean) * self.inv_std)
 
     def _forward(self, z: np.ndarray) -> np.ndarray:
@@ -176,12 +190,14 @@ class LearnedK(LengthPolicy):
         step drafts nothing (k = 0, never an arbitrary action) and `non_finite` counts it. A pinned feature
         is ignored, whatever it holds."""
         x = np.asarray(obs, dtype=np.float64)
+        if self._columns is not None:
+            x = x[self._columns]
         self.calls += 1
         if not np.isfinite(x).all():
             bad = ~np.isfinite(x) & ~self._still
             if bad.any():
                 if self.strict:
-                    names = [f for f, b in zip(FEATURES, bad) if b]
+                    names = [f for f, b in zip(self.features, bad) if b]
                     raise SpecPilotError(f"learned policy got a non-finite observation in {names[:4]}")
                 self.non_finite += 1
                 return 0
@@ -193,7 +209,8 @@ class LearnedK(LengthPolicy):
 
     def decision_seconds(self, calls: int = 2000) -> float:
         """Mean seconds of one choose_k on a typical (training-mean) observation."""
-        obs = self.mean.astype(np.float32)
+        obs = np.zeros(len(FEATURES), dtype=np.float32)
+        obs[self._columns if self._columns is not None else slice(None)] = self.mean
         self.choose_k(obs)
         t0 = time.perf_counter()
         for _ in range(calls):

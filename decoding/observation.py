@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from .drafters import MATCH_CAP
 from .hardware import HW_FEATURES, HardwareMonitor, shared_monitor
 
 HISTORY = 8
@@ -32,10 +33,14 @@ CONTEXT_FEATURES = (
     "batch_size_log",
     "behind_available_frac",
     "remaining_spread",
+    "ngram_suffix_log",
+    "ngram_occurrences_log",
+    "ngram_agreement",
 )
 FEATURES = HW_FEATURES + COST_FEATURES + ACCEPT_FEATURES + CONTEXT_FEATURES
 EMA = 0.3
 REPETITION_WINDOW = 128
+LOG_CAP = math.log1p(MATCH_CAP)
 
 
 class ObservationBuilder:
@@ -148,6 +153,15 @@ class ObservationBuilder:
         v[i + 7] = sum(repetition_rate(self._tail(r)) for r in rows) / n
         v[i + 8] = math.log(n)
         v[i + 10] = (most - sum(remaining) / n) / rows[0].max_new_tokens
+        # how far the current match is to be trusted (prompt lookup): bounded, whatever the context's length
+        stats = getattr(getattr(state, "draft", None), "match_stats", None)
+        if stats is not None:
+            found = [stats(r.context, row) for r, row in zip(rows, ids)]
+            v[i + 11] = sum(math.log1p(s) for s, _, _ in found) / n / LOG_CAP
+            v[i + 12] = sum(math.log1p(o) for _, o, _ in found) / n / LOG_CAP
+            v[i + 13] = sum(a for _, _, a in found) / n
+        else:
+            v[i + 11 : i + 14] = 0.0
         return v.copy()
 
 

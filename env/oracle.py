@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from decoding.drafters import NgramDrafter
 from decoding.errors import SpecPilotError
 from decoding.paths import read_json_file
 from decoding.loop import generate
@@ -41,6 +42,9 @@ class Trace:
     entropies: list[list[float]] = field(default_factory=list)
     match_lens: list[int] = field(default_factory=list)
     k_max: int = 8
+    ngram_n: int = 0
+    """The n of the prompt-lookup draft that recorded it (`ngram:N`; 0: a model draft): the replay recomputes
+    that drafter's match statistics from the tokens."""
 
 
 @torch.inference_mode()
@@ -72,7 +76,8 @@ def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_ma
         entropies.append([round(e, 4) for e in proposal.entropies])
         match_lens.append(proposal.match_len)
         draft.rollback(n_prompt + i)
-    return Trace(question_id, category, list(prompt_ids), output, matches, available, confidences, entropies, match_lens, k_max)
+    return Trace(question_id, category, list(prompt_ids), output, matches, available, confidences, entropies, match_lens, k_max,
+                 ngram_n=draft.max_n if isinstance(draft, NgramDrafter) else 0)
 
 
 def save_traces(traces: list[Trace], path: str | Path, meta: dict) -> None:
@@ -84,6 +89,10 @@ def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
     data = read_json_file(path, "trace file", "record it with scripts/profile_device.py", keys=("traces",))
     try:
         traces = [Trace(**t) for t in data["traces"]]
+        draft = str(data.get("meta", {}).get("draft", ""))
+        for t in traces:  # files recorded before traces carried it: the n is in the draft's name
+            if not t.ngram_n and draft.startswith("ngram:"):
+                t.ngram_n = int(draft.split(":")[1])
         for t in traces:
             if not len(t.matches) == len(t.available) == len(t.output_ids):
                 raise ValueError(f"trace {t.question_id}: matches, available and output_ids differ in length")
@@ -274,7 +283,7 @@ def truncate(trace: Trace, n: int) -> Trace:
         return trace
     return Trace(trace.question_id, trace.category, trace.prompt_ids, trace.output_ids[:n],
                  [min(m, n - i - 1) for i, m in enumerate(trace.matches[:n])], trace.available[:n],
-                 trace.confidences[:n], trace.entropies[:n], trace.match_lens[:n], trace.k_max)
+                 trace.confidences[:n], trace.entropies[:n], trace.match_lens[:n], trace.k_max, trace.ngram_n)
 
 
 class OracleK(LengthPolicy):

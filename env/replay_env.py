@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
+from decoding.drafters import match_statistics
 from decoding.errors import SpecPilotError
 from decoding.hardware import HW_FEATURES
 from decoding.loop import BatchView, RowView, StepResult
@@ -58,6 +59,17 @@ class TracedDraft:
         if i >= len(r.trace.available):  # the episode has ended
             return 0, 0
         return (r.trace.match_lens[i] if r.trace.match_lens else 0), min(k, r.trace.available[i])
+
+    def match_stats(self, context, row: int = 0) -> tuple[int, int, float]:
+        """The live prompt-lookup drafter's match statistics, from the trace's tokens (memoised on the trace:
+        the same position always reads the same)."""
+        r = self.state.rows[row]
+        if not r.trace.ngram_n:  # a model draft's trace: its live drafter has no match statistics
+            return 0, 0, 0.0
+        memo = r.trace.__dict__.setdefault("_match_stats", {})
+        if r.length not in memo:
+            memo[r.length] = match_statistics(r.buffer[: r.length], r.trace.ngram_n)
+        return memo[r.length]
 
 
 @dataclass

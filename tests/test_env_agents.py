@@ -377,6 +377,39 @@ def test_policy_with_other_features(trained, tmp_path):
         LearnedK.load(folder)
 
 
+def test_policy_of_an_older_version_reads_its_features_by_name(trained, tmp_path):
+    """A policy exported before features were added lists a subset: it loads and reads those columns by name.
+    Its decisions equal the full policy's with the added features' input weights at zero."""
+    from safetensors.numpy import load_file, save_file
+
+    full = LearnedK.load(policy_dir(trained))
+    folder = copy_policy(trained, tmp_path)
+    meta = json.loads((folder / "policy.json").read_text())
+    keep = [i for i, f in enumerate(meta["features"]) if not f.startswith("ngram_")]
+    assert len(keep) < len(meta["features"])
+    meta["features"] = [meta["features"][i] for i in keep]
+    norm = meta["normalization"]
+    for key in ("mean", "var", "low", "high"):
+        if key in norm:
+            norm[key] = [norm[key][i] for i in keep]
+    (folder / "policy.json").write_text(json.dumps(meta))
+    path = folder / meta["weights"] if "weights" in meta else folder / "policy.safetensors"
+    weights = load_file(str(path))
+    first = meta["layers"][0] + ".weight"
+    zeroed = weights[first].copy()
+    zeroed[:, [i for i in range(zeroed.shape[1]) if i not in keep]] = 0.0
+    full.layers[0] = (np.ascontiguousarray(zeroed.astype(np.float64).T), full.layers[0][1])
+    save_file({**weights, first: np.ascontiguousarray(weights[first][:, keep])}, str(path))
+    old = LearnedK.load(folder)
+    assert old.features == meta["features"] and old.feature_scale().shape == (len(full.features),)
+    rng = np.random.default_rng(0)
+    std = np.sqrt(np.asarray(full.meta["normalization"]["var"]))
+    obs = full.mean + std * rng.standard_normal((300, len(full.features)))
+    ks = [full.choose_k(o) for o in obs]
+    assert [old.choose_k(o) for o in obs] == ks and len(set(ks)) > 1
+    np.testing.assert_allclose(old.logits(obs), full.logits(obs), rtol=1e-9, atol=1e-9)
+
+
 def test_missing_policy_file(tmp_path):
     with pytest.raises(SpecPilotError, match="policy file not found"):
         LearnedK.load(tmp_path / "nope" / "policy.json")

@@ -228,3 +228,43 @@ def test_ngram_lookup_equals_a_plain_search_as_the_context_grows():
         for length in list(range(5, 60, 1)) + [40, 41, 59]:  # growing, then shorter again (a new sequence view)
             got, n = draft.lookup(torch.tensor(tokens[:length]), 4)
             assert (got.tolist(), n) == reference(tokens[:length], 4), length
+
+
+def test_match_statistics_equal_a_plain_count():
+    """The match statistics the policy reads (suffix agreeing before the continuation, earlier occurrences,
+    their agreement on the next token) against a direct count over the whole context, by hand and at random."""
+    import random
+
+    import numpy as np
+
+    from decoding.drafters import MATCH_CAP, match_statistics
+
+    # a b c X a b c Y a b c: two earlier occurrences of "a b c", followed by X and Y; the latest is followed by Y
+    assert match_statistics(np.array([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]), 3) == (3, 2, 0.5)
+    # q a b c Y ... q a b c: the match extends one token before the n-gram (q), one occurrence, agreeing
+    assert match_statistics(np.array([7, 1, 2, 3, 8, 5, 6, 7, 1, 2, 3]), 3) == (4, 1, 1.0)
+    assert match_statistics(np.array([1, 2, 3, 4]), 3) == (0, 0, 0.0)
+
+    def reference(ctx, max_n=3):
+        for n in range(min(max_n, len(ctx) - 1), 0, -1):
+            starts = [s for s in range(len(ctx) - n) if ctx[s : s + n] == ctx[len(ctx) - n :]]
+            if starts:
+                start = starts[-1] + n
+                suffix = 0
+                while suffix < MATCH_CAP and start - 1 - suffix >= 0 and ctx[start - 1 - suffix] == ctx[-1 - suffix]:
+                    suffix += 1
+                agree = sum(ctx[s + n] == ctx[start] for s in starts) / len(starts)
+                return suffix, min(len(starts), MATCH_CAP), agree
+        return 0, 0, 0.0
+
+    rng = random.Random(1)
+    draft = NgramDrafter(3)
+    seen = set()
+    for _ in range(40):
+        vocab = rng.choice([1, 3])  # binary text repeats every 3-gram often: past the cap
+        tokens = [rng.randint(0, vocab) for _ in range(rng.randint(2, 300))]
+        draft.reset(torch.tensor(tokens[:1]))  # a new sequence
+        got = draft.match_stats(torch.tensor(tokens))
+        assert got == pytest.approx(reference(tokens)), tokens
+        seen.add(got[1] == MATCH_CAP)
+    assert seen == {True, False}  # both below and at the cap

@@ -107,14 +107,18 @@ def test_replay_env_matches_real_env(recorded, kind):
     real = SpecDecodeEnv(target, draft, [Prompt("p0", "test", "unused")], k_max=4, max_new_tokens=30,
                          plain_speed=PlainSpeed([1, 100], [0.001, 0.001]), encoded=[trace.prompt_ids])
     replay = ReplayEnv([trace], hand_cost(), k_max=4, noise=0.0)
+    assert trace.ngram_n == (2 if kind == "ngram" else 0)
     obs_real, _ = real.reset(seed=0)
     obs_replay, _ = replay.reset(seed=0)
     same = [FEATURES.index(f) for f in ("ngram_match_len", "draft_available_frac", "accept_rate_ema", "last_k_frac",
-                                         "context_len_log", "remaining_frac", "repetition_rate")]
+                                         "context_len_log", "remaining_frac", "repetition_rate", "ngram_suffix_log",
+                                         "ngram_occurrences_log", "ngram_agreement")]
+    seen = []
     rng = np.random.default_rng(4)
     done = False
     while not done:
         np.testing.assert_allclose(obs_real[same], obs_replay[same], rtol=1e-5)
+        seen.append(obs_real[same[-3:]])
         action = int(rng.integers(0, 5))
         obs_real, _, done, _, info_real = real.step(action)
         obs_replay, _, done_replay, _, info_replay = replay.step(action)
@@ -122,6 +126,8 @@ def test_replay_env_matches_real_env(recorded, kind):
                (info_replay["k"], info_replay["accepted"], info_replay["tokens"])
         assert done == done_replay
     assert replay.state.generated == real.state.generated == trace.output_ids
+    if kind == "ngram":  # the match statistics varied along the way (the comparison above was not of zeros)
+        assert len({tuple(np.round(v, 4)) for v in seen}) > 2
 
 
 def test_replay_env_checkers(recorded):
