@@ -133,3 +133,31 @@ def test_the_warm_start_labels_every_context_under_every_condition(profiles, mon
                    context_lens=[512, 4096], conditions=conds)
     assert seen == [(j % 2 == 1, list(CONDITIONS)[(j // 2) % 4]) for j in range(8)]
     assert len(data.obs) > 0 and (data.regret >= 0).all() and (data.regret.min(axis=1) == 0).all()
+
+
+def test_conditions_report_end_to_end(tmp_path):
+    """`scripts/conditions_report.py` on one cell with the committed simulated A100 policy (exported before the
+    match-statistics features: it is read by name): the report, its JSON and plot are written; under no load,
+    pinning the counters to their no-load reading changes nothing, and under the power cap the policy that reads
+    them is ahead of the pinned one (what the counters carry), each speedup equal to a direct replay."""
+    from bench.conditions_cli import PINNED, conditions_main
+    from bench.simulated_cli import SimulatedReportConfig, split_traces
+    from decoding.learned import LearnedK
+    from env.oracle import load_profile, profile_hardware
+    from env.replay_env import replay_evaluate
+
+    report = tmp_path / "conditions.md"
+    assert conditions_main(["--devices", "a100", "--batch-sizes", "32", "--context-lens", "512",
+                            "--conditions", "none,power-cap", "--report", str(report)]) == 0
+    assert report.exists() and report.with_suffix(".png").exists()
+    cells = {c: v["cells"]["32x512"] for c, v in json.loads(report.with_suffix(".json").read_text())["results"]["a100"]["conditions"].items()}
+    assert cells["none"]["learned"] == pytest.approx(cells["none"][PINNED], rel=1e-12)
+    assert cells["power-cap"]["learned"] > 1.05 * cells["power-cap"][PINNED]
+    policy = LearnedK.load(ROOT / "policies-simulated" / "a100" / "ngram-3", allow_device_mismatch=True)
+    from decoding.observation import FEATURES
+    assert "ngram_agreement" not in policy.features and len(policy.features) < len(FEATURES)  # an older policy
+    profile = load_profile(ROOT / "profiles" / "a100-power-cap-simulated.json", "a100")
+    test = split_traces(SimulatedReportConfig(), "test")
+    direct = replay_evaluate({"learned": policy}, test, CostModel.from_profile(profile), 8, profile_hardware(profile), 32, 48,
+                             context_len=512)
+    assert direct["learned"]["speedup"] == pytest.approx(cells["power-cap"]["learned"], rel=1e-9)
