@@ -2,7 +2,8 @@
 
 A fixed, named float32 vector: hardware counters (from the background monitor), the measured cost of
 recent draft and verify passes, the acceptance history, and context features. An exported policy
-records `FEATURES`; `LearnedK` refuses a policy whose names differ.
+records `FEATURES`; `LearnedK` reads its features by name (a policy from before features were added reads
+its subset) and refuses one with a name this version does not know.
 """
 from __future__ import annotations
 
