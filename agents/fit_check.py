@@ -1,0 +1,75 @@
+"""How many passes the warm start's fit should make, judged on train prompts it did not see:
+`python -m agents.fit_check` (about 12 minutes on one core).
+
+One row, the CPU profile and traces: a quarter of the train-split prompts is held out (seeded), two rounds of
+rollout labels are collected on the rest (round 1 from the best tuned rule, round 2 on the fitted policy's
+states, as `train_policy.py` does), and each fit variant (passes x entropy bonus) is scored by its replay
+speedup on the held-out quarter beside the rule's. The test and ood splits are not touched."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.tune_cli import rules_policy
+from decoding.config import parse_config, parse_ints, run_cli
+from decoding.paths import POLICIES, policy_dir, profile_path, read_json_file, traces_path
+from env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
+from env.replay_env import replay_evaluate
+
+from .improve import as_policy, collect, fit, merge
+
+
+@dataclass
+class FitCheckConfig:
+    """Score warm-start fit variants on held-out train prompts (one row, replay)."""
+
+    device: str = "cpu"
+    """Device whose cost profile, traces and tuned rules are used."""
+    draft: str = "ngram:3"
+    """Draft of the traces and rules."""
+    passes: str = "50,200"
+    """Comma-separated numbers of passes of the fit to compare."""
+    entropy: str = "0,0.02,0.05"
+    """Comma-separated entropy bonuses to compare."""
+    hidden: str = "128,128"
+    """Hidden layer sizes of the MLP."""
+    holdout: float = 0.25
+    """Share of the train prompts held out."""
+    max_new_tokens: int = 48
+    """Tokens per row."""
+    seed: int = 7
+    """Seed of the held-out choice."""
+
+
+def fit_check_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(FitCheckConfig, argv)
+    profile = load_profile(profile_path(cfg.device, cfg.draft))
+    cost, hardware = CostModel.from_profile(profile), profile_hardware(profile)
+    traces, meta = load_traces(traces_path(cfg.draft))
+    train = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
+    held = set(np.random.default_rng(cfg.seed).permutation(len(train))[: int(len(train) * cfg.holdout)].tolist())
+    fit_on = [t for i, t in enumerate(train) if i not in held]
+    val = [t for i, t in enumerate(train) if i in held]
+    rules = read_json_file(policy_dir(cfg.device, cfg.draft, POLICIES) / "rules.json", "tuned rules", keys=("best_rule",))
+    rule = rules_policy(rules["best_rule"], profile, train, 8, cfg.draft)
+    hidden = parse_ints(cfg.hidden, "--hidden")
+    first = collect(rule, fit_on, cost, 8, hardware, [1], {1: len(fit_on)}, cfg.max_new_tokens, seed=0, progress=True)
+    fitted = as_policy(*fit(first, hidden, "tanh", 200, seed=0), "tanh", 8)
+    second = collect(fitted, fit_on, cost, 8, hardware, [1], {1: len(fit_on)}, cfg.max_new_tokens, seed=1,
+                     progress=True, follow=fitted)
+    data = merge(first, second)
+    base = replay_evaluate({"rule": rule}, val, cost, 8, hardware, 1, cfg.max_new_tokens)["rule"]["speedup"]
+    print(f"{len(val)} held-out train prompts, one row; the best tuned rule: {base:.4f}x plain")
+    print(f"{'passes':>7}{'entropy':>9}{'held-out':>10}")
+    for passes in parse_ints(cfg.passes, "--passes"):
+        for bonus in [float(v) for v in cfg.entropy.split(",") if v.strip()]:
+            policy = as_policy(*fit(data, hidden, "tanh", passes, seed=0, entropy=bonus), "tanh", 8)
+            score = replay_evaluate({"p": policy}, val, cost, 8, hardware, 1, cfg.max_new_tokens)["p"]["speedup"]
+            print(f"{passes:>7}{bonus:>9.3f}{score:>9.4f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(fit_check_main))
