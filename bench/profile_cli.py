@@ -13,7 +13,7 @@ from decoding.config import at_least, parse_config, parse_ints
 from decoding.errors import SpecPilotError
 from decoding.hardware import resolve
 from decoding.models import ModelDrafter, load_draft, load_target, random_init_target
-from decoding.paths import slug, traces_path
+from decoding.paths import atomic_write_text, slug, traces_path
 from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import load_prompts
 from env.oracle import load_traces, record_trace, save_traces
@@ -48,6 +48,10 @@ class ProfileConfig:
     """Repeats per (context length, k); medians are kept."""
     batch_sizes: str = "1,2,4,8,16"
     """Comma-separated batch sizes to profile (at the first context length); empty = none."""
+    grid_context_lens: str = ""
+    """Comma-separated context lengths at which every batch size is profiled too (a measured batch x context
+    grid the replay env then looks up directly, e.g. 64,512,1024,2048); empty = batch sizes at the first
+    context length only, scaled by the one-row context curve."""
     costs: bool = True
     """Measure the cost profile (--no-costs: record traces only)."""
     traces: bool = True
@@ -120,9 +124,13 @@ def profile_main(argv: list[str] | None = None) -> int:
 
 def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out: Path) -> None:
     batch_sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes.strip() else []
-    bar = tqdm(total=(len(lens) + len(batch_sizes)) * cfg.repeats * (cfg.k_max + 1), desc="profile",
-               disable=not cfg.progress, file=sys.stderr)
-    profile = profile_costs(target, draft, prompt_ids, cfg.k_max, lens, cfg.repeats, progress=bar, batch_sizes=batch_sizes)
+    grid_lens = parse_ints(cfg.grid_context_lens, "--grid-context-lens") if cfg.grid_context_lens.strip() else []
+    if grid_lens and not batch_sizes:
+        raise SpecPilotError("--grid-context-lens needs --batch-sizes (the grid is batch size x context length)")
+    cells = len(lens) + len(batch_sizes) * (1 + len(grid_lens))
+    bar = tqdm(total=cells * cfg.repeats * (cfg.k_max + 1), desc="profile", disable=not cfg.progress, file=sys.stderr)
+    profile = profile_costs(target, draft, prompt_ids, cfg.k_max, lens, cfg.repeats, progress=bar, batch_sizes=batch_sizes,
+                            grid_context_lens=grid_lens)
     bar.close()
     profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
                     "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
@@ -133,7 +141,7 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
         stem += f"-load-{cfg.background_load}"
         profile["background_load"] = cfg.background_load
     path = out / f"{stem}.json"
-    path.write_text(json.dumps(profile, indent=1))
+    atomic_write_text(path, json.dumps(profile, indent=1))
     plot_profile(profile, out / f"{stem}.png")
     print(f"cost profile of {device_key} ({hardware_name}): {path}")
     for c, row in zip(profile["context_lens"], profile["verify_s"]):
@@ -142,6 +150,15 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
     for b, row, d in zip(profile.get("batch_sizes", []), profile.get("batch_verify_s", []), profile.get("batch_draft_s_per_token", [])):
         print(f"  batch {b:>3} (context {profile['batch_context_len']}): verify ms for k=0..{cfg.k_max}: "
               + " ".join(f"{1000 * s:.1f}" for s in row) + f" | draft ms/position {1000 * d:.2f}")
+    if "grid" in profile:
+        print_grid(profile["grid"], cfg.k_max)
+
+
+def print_grid(grid: dict, k_max: int) -> None:
+    """One line per batch size: the plain step and the k_max step's ratio to it at each context length."""
+    for b_i, b in enumerate(grid["batch_sizes"]):
+        cells = [f"{c}:{1000 * row[0]:.1f}ms/{row[-1] / row[0]:.2f}" for c, row in zip(grid["context_lens"], grid["verify_s"][b_i])]
+        print(f"  B={b:<4} plain step ms / verify(k={k_max}) ratio at context " + " ".join(cells))
 
 
 def _simulate(cfg) -> int:
@@ -152,14 +169,8 @@ def _simulate(cfg) -> int:
                                parse_ints(cfg.simulate_context_lens, "--simulate-context-lens"), cfg.condition)
     suffix = "" if cfg.condition == "none" else f"-{cfg.condition}"
     path = save_profile(profile, Path(cfg.out) / f"{profile['device']}{suffix}-simulated.json")
-    grid = profile["grid"]
     print(f"SIMULATED cost profile of {profile['hardware_name']}: {path} (roofline model, not a measurement)")
-    for b_i, b in enumerate(grid["batch_sizes"]):
-        cells = []
-        for c_i, c in enumerate(grid["context_lens"]):
-            row = grid["verify_s"][b_i][c_i]
-            cells.append(f"{c}:{1000 * row[0]:.1f}ms/{row[-1] / row[0]:.2f}")
-        print(f"  B={b:<4} plain step ms / verify(k={cfg.k_max}) ratio at context " + " ".join(cells))
+    print_grid(profile["grid"], cfg.k_max)
     if cfg.compare:
         rows = compare_profiles(profile, load_profile(cfg.compare))
         if not rows:

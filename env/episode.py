@@ -2,13 +2,14 @@
 
 Plain decoding of a batch advances every running row by one token per step; its step j (the j-th new
 token of each row that reaches j tokens) costs `plain_step(context, rows)` with rows = how many rows
-produce a j-th token and context = their mean length before it. A row that ends at EOS before its
-budget takes no part in the steps after its end. An episode is credited with exactly that plain time
-of the same rows to the same ends: plain step j is credited at the policy step after which it is
-*complete*, i.e. every row still running has generated at least j tokens (a row that ended has taken
-part in all the steps it ever will). Advancing the row furthest behind completes plain steps and earns
-credit; advancing a row that is ahead earns nothing until the others catch up. One row: each new token
-completes one plain step, credited at its own context length.
+produce a j-th token and context = the batch's cache width before it: the longest prompt + j - 1 (rows
+are left-padded to the longest, and a row that ends leaves the batch but not the width). A row that ends
+at EOS before its budget takes no part in the steps after its end. An episode is credited with exactly
+that plain time of the same rows to the same ends: plain step j is credited at the policy step after
+which it is *complete*, i.e. every row still running has generated at least j tokens (a row that ended
+has taken part in all the steps it ever will). Advancing the row furthest behind completes plain steps
+and earns credit; advancing a row that is ahead earns nothing until the others catch up. One row: each
+new token completes one plain step, credited at its own context length.
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ REWARDS = ("saved", "speedup")
 def plain_layers_seconds(prompt_lens: Sequence[int], generated: Sequence[int], first: int, last: int,
                          plain_step: Callable[[float, int], float]) -> float:
     """Seconds of plain decoding's steps first..last (1-based) for rows with these prompt lengths that
-    generate these numbers of tokens: step j runs the rows with generated >= j at their mean context."""
-    total = 0.0
+    generate these numbers of tokens: step j runs the rows with generated >= j at the batch's cache width,
+    the longest prompt + j - 1."""
+    total, width = 0.0, max(prompt_lens, default=0)
     for j in range(first, last + 1):
-        rows = [p for p, g in zip(prompt_lens, generated) if g >= j]
+        rows = sum(1 for g in generated if g >= j)
         if rows:
-            total += plain_step(sum(rows) / len(rows) + j - 1, len(rows))
+            total += plain_step(width + j - 1, rows)
     return total
 
 
@@ -41,7 +43,7 @@ class PlainCredit:
         # contexts as the cost sees them (a replay row may sit at a simulated context length)
         self.prompt_lens = [r.context_offset + r.prompt_len for r in state.rows]
         rows = state.active_rows
-        self.context0 = sum(r.context_len for r in rows) / len(rows)
+        self.context0 = max(r.context_len for r in rows)
         self.unit = self.plain_step(self.context0, len(rows))  # a plain step of the episode's batch: the reward's unit
         self.completed = 0
 

@@ -157,8 +157,9 @@ class CostModel:
         else:
             self.batch_scale = np.ones((1, self.k_max + 1))
             self.batch_draft_scale = np.ones(1)
-        # a full batch x context grid (simulated profiles): cost(b, k, c) looked up in it directly, since on a
-        # GPU the KV cache makes the batch and context effects interact (no one scale per batch size)
+        # a full batch x context grid (simulated profiles, and measured ones with profile --grid-context-lens):
+        # cost(b, k, c) looked up in it directly, since the KV cache makes the batch and context effects
+        # interact (no one scale per batch size)
         self.grid = None
         if grid:
             self.grid = (np.log(np.asarray(grid["batch_sizes"], dtype=np.float64)),
@@ -225,9 +226,9 @@ class CostModel:
         beyond = sorted(b for b in batch_sizes if b > self.max_batch)
         if beyond:
             notes.append(f"batch sizes {beyond} lie above the profiled {self.batch_sizes} (costed as B={self.max_batch})")
-        top = int(self.context_lens.max())
-        if context_len is not None and context_len > top:
-            notes.append(f"contexts up to {context_len} tokens lie beyond the profiled {[int(c) for c in self.context_lens]} "
+        profiled = self.grid[1] if self.grid is not None else self.context_lens
+        if context_len is not None and context_len > int(profiled.max()):
+            notes.append(f"contexts up to {context_len} tokens lie beyond the profiled {[int(c) for c in profiled]} "
                          "(costs held at the longest)")
         return "; ".join(notes) or None
 

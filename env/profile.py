@@ -57,9 +57,10 @@ def filler_ids(prompt_ids: list[int], length: int) -> list[int]:
 
 
 def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_lens=(64, 256, 1024),
-                  repeats: int = 5, progress=None, batch_sizes=()) -> dict:
+                  repeats: int = 5, progress=None, batch_sizes=(), grid_context_lens=()) -> dict:
     """{context_lens, k, verify_s[c][k], draft_s_per_token[c], noise}: medians over `repeats`; with
-    `batch_sizes`, also batch_verify_s[b][k] and batch_draft_s_per_token[b] at the first context length."""
+    `batch_sizes`, also batch_verify_s[b][k] and batch_draft_s_per_token[b] at the first context length, and
+    with `grid_context_lens` too the full grid: every batch size at each of those context lengths."""
     target = dataclasses.replace(target, eos_ids=frozenset())  # an EOS must not end a timing sequence
     window = target.context_window or 10**9
     lens = [c for c in context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
@@ -84,7 +85,21 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
                "hardware": np.mean(hardware, axis=0).round(4).tolist() if hardware else None}
     if batch_sizes and lens:
         profile.update(profile_batches(target, draft, prompt_ids, k_max, lens[0], repeats, batch_sizes, progress))
+    if batch_sizes and grid_context_lens:
+        profile["grid"] = profile_grid(target, draft, prompt_ids, k_max, grid_context_lens, repeats, batch_sizes, progress)
     return profile
+
+
+def profile_grid(target, draft, prompt_ids, k_max: int, context_lens, repeats: int, batch_sizes, progress=None) -> dict:
+    """Step seconds of every batch size at every context length (all rows that long: the cache's width,
+    which is what a left-padded batch pays for): {batch_sizes, context_lens, verify_s[b][c][k],
+    draft_s_per_token[b][c]}, the layout of a simulated profile's grid, which the cost model looks up
+    directly (on this CPU a long context costs a batch more than it costs one row)."""
+    rows = [profile_batches(target, draft, prompt_ids, k_max, c, repeats, batch_sizes, progress) for c in context_lens]
+    return {"batch_sizes": list(batch_sizes), "context_lens": list(context_lens),
+            "verify_s": [[row["batch_verify_s"][i] for row in rows] for i in range(len(batch_sizes))],
+            "draft_s_per_token": [[row["batch_draft_s_per_token"][i] for row in rows] for i in range(len(batch_sizes))],
+            "measured": True}
 
 
 def profile_batches(target, draft, prompt_ids, k_max: int, context_len: int, repeats: int, batch_sizes, progress=None) -> dict:

@@ -93,6 +93,10 @@ class ReplayState(BatchView):
     rows: list[ReplayRow]
     active: list[int]
     draft: TracedDraft | None = None
+    width: int = 0
+    """The context the batch's next step runs at: the cache's width (+ the token fed), as in the real loop,
+    where rows are left-padded to the longest and each step keeps max(accepted) + 1 slots of every row.
+    One row: its context length."""
 
 
 @dataclass
@@ -107,7 +111,8 @@ class MachineCondition:
 class ReplayEnv(gym.Env):
     """With `batch_sizes`, each episode draws a batch size and that many traces: one k per step for
     the batch, each row accepting min(k, a_r, m_r) tokens, the step costing the profiled batch cost of
-    the widest row's draft; a step is credited with the plain decoding time it removed from the batch
+    the widest row's draft at the batch's cache width (the longest row's context and the slots kept since:
+    what a left-padded batch runs at); a step is credited with the plain decoding time it removed from the batch
     (`env.episode.PlainCredit`), in plain steps of the episode's batch."""
 
     metadata = {"render_modes": []}
@@ -180,7 +185,7 @@ class ReplayEnv(gym.Env):
             self.speed = float(self.speed_jitter ** self.np_random.uniform(-1.0, 1.0))
         self._draw_condition(options.get("condition"))
         self.trace = rows[0].trace
-        self.state = ReplayState(rows, list(range(len(rows))))
+        self.state = ReplayState(rows, list(range(len(rows))), width=max(r.context_len for r in rows))
         self.state.draft = TracedDraft(self.state)
         self.observer.reset(self.state)
         self.episode = EpisodeStats()
@@ -220,8 +225,8 @@ class ReplayEnv(gym.Env):
             drafted_rows.append(drafted)
             accepted_rows.append(min(drafted, r.trace.matches[i]))
         drafted = max(drafted_rows)  # rows with fewer proposals are padded to the widest
-        context = sum(r.context_len for r in rows) / batch
-        table, draft_per_token = self.cost.step_costs(context, batch)
+        context = sum(r.context_len for r in rows) / batch  # what the observation reads (as the real loop's step)
+        table, draft_per_token = self.cost.step_costs(state.width, batch)  # what the step costs
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         noise *= self.speed
         seconds = table[drafted] * noise
@@ -241,6 +246,7 @@ class ReplayEnv(gym.Env):
                           entropies=trace.entropies[i][:drafted] if trace.entropies and batch == 1 else [],
                           match_len=trace.match_lens[i] if trace.match_lens else 0, context_len=round(context),
                           accepted_rows=accepted_rows, new_rows=new_rows)
+        state.width += max(accepted_rows) + 1
         state.active = [j for j in state.active if not state.rows[j].done]
         self.observer.push(step)
         self.last_step = step

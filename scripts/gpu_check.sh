@@ -24,7 +24,7 @@ py=${PYTHON:-python3}
 if [ "$dry" = 1 ]; then
   device=cpu; dtype=float32
   target_cfg=configs/tiny-target; draft_cfg=configs/tiny-draft; train_target=random:configs/tiny-target
-  profile_args=(--k-max 4 --context-lens 64,256 --repeats 1 --batch-sizes 1,2)
+  profile_args=(--k-max 4 --context-lens 64,256 --repeats 1 --batch-sizes 1,2 --grid-context-lens 64,256)
   train_args=(--timesteps 64 --hp n_steps=32 --hp batch_size=16 --hp n_epochs=1 --hp checkpoint_every=32
               --hp max_new_tokens=12 --hp k_max=4 --hp "real_batch_sizes=[1,2]" --eval-max-new-tokens 8)
   tests=(tests/test_placement.py)
@@ -35,7 +35,8 @@ else
   fi
   device=auto; dtype=bfloat16
   target_cfg=configs/llama-3.1-8b; draft_cfg=configs/llama-3.2-1b; train_target=random:configs/small-target
-  profile_args=(--k-max 8 --context-lens 128,512,2048,8192 --repeats 5 --batch-sizes 1,2,4,8,16,32,64)
+  profile_args=(--k-max 8 --context-lens 128,512,2048,8192 --repeats 5 --batch-sizes 1,2,4,8,16,32,64
+                --grid-context-lens 128,2048)  # the measured batch x context grid (~1 minute more)
   train_args=(--timesteps 1024 --hp n_steps=256 --hp checkpoint_every=256 --hp max_new_tokens=64
               --hp "real_batch_sizes=[1,4,16]" --eval-max-new-tokens 32)
   tests=(tests/test_cuda.py tests/test_placement.py tests/test_devices.py)

@@ -157,3 +157,44 @@ def test_drafter_without_batch_support_is_refused(tiny_pair):
 
     with pytest.raises(SpecPilotError, match="does not support batched decoding"):
         start(tiny_target(model), SingleOnly(), BATCH[:2], 8)
+
+
+def test_grouped_query_attention_in_place_is_transformers_attention(tiny_pair):
+    """CPU models run sdpa with the grouped key/value heads read in place (decoding.models.use_gqa_attention:
+    transformers copies them per query head in a masked multi-token pass, the batch verify). Same logits as
+    transformers' path on a left-padded batch verifying 4 drafts, the holes test's outputs still exact; and
+    the comparison has the power to see a wrong head grouping (kv heads tiled instead of interleaved)."""
+    import copy
+
+    from decoding.models import GQA_SDPA, use_gqa_attention
+
+    model, _ = tiny_pair
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    fast = use_gqa_attention(copy.deepcopy(model))
+    assert fast.config._attn_implementation == GQA_SDPA and model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[0, 0, 5, 9, 13, 2, 7, 1, 2], [1, 2, 3, 1, 2, 3, 1, 2, 4]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+
+    def logits(m):
+        with torch.inference_mode():
+            return m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -5:]
+
+    reference, ours = logits(model), logits(fast)
+    assert torch.allclose(reference, ours, atol=1e-9)
+
+    def tiled(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        groups = module.num_key_value_groups
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat(1, groups, 1, 1), value.repeat(1, groups, 1, 1), attn_mask=attention_mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("tiled_kv", tiled)
+    AttentionMaskInterface.register("tiled_kv", sdpa_mask)
+    broken = copy.deepcopy(model)
+    broken.set_attn_implementation("tiled_kv")
+    assert not torch.allclose(reference, logits(broken), atol=1e-3)
+    test_rows_accept_different_counts_and_holes_stay_masked((fast, None))

@@ -124,9 +124,10 @@ def test_real_env_draws_batches(tiny_model_dirs):
         total += reward
         seconds += step_info["seconds"]
     assert tokens == 3 * 8
-    # the return is plain decoding's time of the same rows (8 steps of three rows, each at the rows' mean
-    # context before it) minus the measured time
-    plain = sum(speed.step_seconds(sum(prompt_lens) / 3 + j, 3) for j in range(8))
+    # the return is plain decoding's time of the same rows (8 steps of three rows, each at the batch's cache
+    # width before it: the rows are left-padded to the longest prompt) minus the measured time
+    assert len(set(prompt_lens)) > 1
+    plain = sum(speed.step_seconds(max(prompt_lens) + j, 3) for j in range(8))
     assert env.credit.batch_seconds([8, 8, 8]) == pytest.approx(plain)
     assert total == pytest.approx((plain - seconds) / norm)
     assert {env.reset(seed=s)[1]["batch_size"] for s in range(12)} == {1, 2, 4}
@@ -285,3 +286,42 @@ def test_paired_speedup_per_repeat_and_its_interval():
     low, high = cell["speedup_paired_interval"]
     assert low < 1.25 and high > 2.0
     assert summarize_batches(runs)["table"]["2"]["none"]["speedup_paired"] == pytest.approx(1.0)
+
+
+def test_replay_prices_a_batch_at_the_real_loops_cache_width(tiny_pair):
+    """Rows of different lengths are left-padded to the longest, and every step keeps max(accepted) + 1
+    slots of each row: the real loop's cache grows that way, the replay's `width` follows the same rule from
+    the same start, and the replay prices each step there, not at the rows' mean context. (Step by step the
+    two accept differently at times: the real batch pads a row's short proposal with its last token, which
+    a random tiny model sometimes accepts and the traces count as rejected.)"""
+    from conftest import tiny_target
+    from decoding.drafters import NgramDrafter
+    from decoding.loop import speculative_step, start
+    from env.oracle import record_trace
+
+    target = tiny_target(tiny_pair[0])
+    prompts = [[5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9], [3, 4, 3, 4, 3] + list(range(20, 60)) + [3, 4]]
+    ks = [3, 2, 4, 1, 4, 0, 3, 4, 4, 2, 4, 4]
+    state = start(target, NgramDrafter(2), prompts, 30)
+    assert state.cache.get_seq_length() + 1 == max(map(len, prompts))
+    grew = []
+    for k in ks:
+        before = state.cache.get_seq_length()
+        step = speculative_step(state, k)
+        assert state.cache.get_seq_length() - before == max(step.accepted_rows) + 1
+        grew.append(max(step.accepted_rows) + 1)
+    assert max(grew) > 1  # drafts were kept
+    traces = [record_trace(target, NgramDrafter(2), p, 30, K_MAX, f"p{i}", "c") for i, p in enumerate(prompts)]
+    env = ReplayEnv(traces, CostModel.from_profile(batch_profile()), k_max=K_MAX, noise=0.0, batch_sizes=[2])
+    env.reset(options={"trace_indices": [0, 1]})
+    asked = []
+    env.cost.step_costs = lambda context, batch: (asked.append((context, batch)) or (np.full(K_MAX + 1, 0.1), 0.0))
+    width = max(map(len, prompts))
+    assert width != sum(map(len, prompts)) / 2
+    for k in ks:
+        n = len(asked)
+        env.step(k)
+        assert asked[n] == (width, 2)  # the step's own cost (the plain credit asks after it)
+        width += max(env.last_step.accepted_rows) + 1
+        assert env.state.width == width
+    assert width > max(map(len, prompts)) + len(ks)

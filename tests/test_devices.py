@@ -238,10 +238,15 @@ def test_benchmark_killed_under_load_leaves_no_load(tmp_path):
            "--repeats", "50", "--background-load", "compute", "--out", str(tmp_path), "--no-progress"]
     bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        def is_load(p) -> bool:
+            try:
+                return "a = a @ a" in " ".join(p.cmdline())
+            except psutil.NoSuchProcess:  # a short-lived child gone between listing and reading it
+                return False
+
         loads = []
         for _ in range(600):  # the model loads first (a few seconds), then the first load starts
-            loads = [p for p in psutil.Process(bench.pid).children(recursive=True)
-                     if "a = a @ a" in " ".join(p.cmdline())]
+            loads = [p for p in psutil.Process(bench.pid).children(recursive=True) if is_load(p)]
             if loads or bench.poll() is not None:
                 break
             time.sleep(0.1)

@@ -23,3 +23,32 @@ def test_profile_random_init_shapes(tmp_path, capsys):
     assert profile["batch_sizes"] == [1, 3] and len(profile["batch_verify_s"]) == 2
     assert len(profile["batch_verify_s"][1]) == 4 and all(d > 0 for d in profile["batch_draft_s_per_token"])
     assert "traces" not in capsys.readouterr().out  # no weights, no acceptance traces
+
+
+def test_profile_grid_is_what_the_cost_model_reads(tmp_path, capsys):
+    """--grid-context-lens: every batch size timed at every one of those context lengths (all rows that
+    long), in the simulated profiles' grid layout; the replay's cost model then prices a batch step from that
+    cell, not from the one-row context curve scaled by batch."""
+    import numpy as np
+
+    from bench.profile_cli import profile_main
+    from decoding.config import run_cli
+    from env.oracle import CostModel
+
+    shape = tmp_path / "shape"
+    tiny_llama(vocab=300, window=4096, dtype=__import__("torch").float32).config.save_pretrained(shape)
+    args = ["--device", "cpu", "--target-config", str(shape), "--k-max", "3", "--context-lens", "16,128", "--repeats", "2",
+            "--no-progress", "--out", str(tmp_path / "p")]
+    assert profile_main(args + ["--batch-sizes", "1,3", "--grid-context-lens", "16,512"]) == 0
+    profile = json.loads((tmp_path / "p" / "cpu.json").read_text())
+    grid = profile["grid"]
+    assert grid["batch_sizes"] == [1, 3] and grid["context_lens"] == [16, 512] and grid["measured"]
+    assert np.asarray(grid["verify_s"]).shape == (2, 2, 4) and np.asarray(grid["draft_s_per_token"]).shape == (2, 2)
+    cost = CostModel.from_profile(profile)
+    bucket = 512 // cost.BUCKET * cost.BUCKET + cost.BUCKET // 2  # contexts are looked up mid-bucket, held at 512
+    draft = grid["draft_s_per_token"][1][1]
+    np.testing.assert_allclose(cost.step_costs(bucket, 3)[0], np.asarray(grid["verify_s"][1][1]) + draft * np.arange(4))
+    assert cost.outside([3], 600) and not cost.outside([3], 500)
+    assert "B=3" in capsys.readouterr().out
+    assert run_cli(profile_main, args + ["--batch-sizes", "", "--grid-context-lens", "16,512"]) == 2
+    assert "--grid-context-lens needs --batch-sizes" in capsys.readouterr().err

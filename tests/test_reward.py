@@ -28,11 +28,14 @@ class State:
 
 
 def brute_plain_seconds(prompt_lens, ends, plain_step) -> float:
-    """Plain decoding simulated step by step: every running row gains one token; a row stops at its end."""
-    lengths, seconds = list(prompt_lens), 0.0
+    """Plain decoding simulated step by step, as the loop runs it: the rows left-padded to the longest
+    prompt, every running row gains one token and the cache one slot per step; a row stops at its end
+    (and leaves the batch, not the cache's width)."""
+    lengths, seconds, width = list(prompt_lens), 0.0, max(prompt_lens)
     running = [i for i, e in enumerate(ends) if e > 0]
     while running:
-        seconds += plain_step(sum(lengths[i] for i in running) / len(running), len(running))
+        seconds += plain_step(width, len(running))
+        width += 1
         for i in running:
             lengths[i] += 1
         running = [i for i in running if lengths[i] - prompt_lens[i] < ends[i]]
