@@ -141,32 +141,35 @@ GQA_SDPA = "sdpa_gqa"
 """The attention implementation CPU models run with: transformers' sdpa, grouped-query heads read in place."""
 
 
-def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' sdpa attention, except that with a padding mask and several queries (a batch verifying its
-    drafts) the grouped key/value heads are not copied per query head: transformers repeats them
-    (`repeat_kv`, its sdpa path for a masked multi-token pass), which on this CPU made a verify step of 8 rows
-    at 2,048 tokens cost 6x their plain step (1.6 s vs 0.28 s; the copies, 48 ms a layer). torch's
-    `enable_gqa` reads them in place, same numbers."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _sdpa_gqa(sdpa_attention_forward):
+    """transformers' sdpa attention (`sdpa_attention_forward`), except that with a padding mask and several
+    queries (a batch verifying its drafts) the grouped key/value heads are not copied per query head:
+    transformers repeats them (`repeat_kv`, its sdpa path for a masked multi-token pass), which made this CPU's
+    batched verify steps cost up to 6x a plain step at long contexts (the profile grid in reports/README.md,
+    fifth stop); torch's `enable_gqa` reads them in place, same numbers."""
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if attention_mask is None or groups == 1 or query.shape[2] == 1 or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask[:, :, :, : key.shape[-2]], dropout_p=dropout, scale=scaling,
-        enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] == 1
+                or kwargs.get("position_bias") is not None):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask[:, :, :, : key.shape[-2]], dropout_p=dropout, scale=scaling,
+            enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    return forward
 
 
 def use_gqa_attention(model):
-    """Run a CPU model's sdpa attention through `_sdpa_gqa_forward` (other devices and implementations are
-    left alone: on a GPU transformers' choice stands until a device check has timed the alternative)."""
+    """Run a CPU model's sdpa attention through `_sdpa_gqa` (other devices and implementations are left
+    alone: on a GPU transformers' choice stands until a device check has timed the alternative)."""
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if model.device.type != "cpu" or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return model
-    AttentionInterface.register(GQA_SDPA, _sdpa_gqa_forward)
+    AttentionInterface.register(GQA_SDPA, _sdpa_gqa(sdpa_attention_forward))
     AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
     model.set_attn_implementation(GQA_SDPA)
     return model
