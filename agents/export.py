@@ -50,8 +50,10 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
     names = [f"layer{i}" for i in range(len(layers))]
     weights = {}
     for name, (w, b) in zip(names, layers):
-        weights[f"{name}.weight"] = np.asarray(w, dtype=np.float32)
-        weights[f"{name}.bias"] = np.asarray(b, dtype=np.float32)
+        # C order: safetensors writes the buffer as it lies, so a transposed (Fortran-order) view would be stored
+        # transposed
+        weights[f"{name}.weight"] = np.ascontiguousarray(w, dtype=np.float32)
+        weights[f"{name}.bias"] = np.ascontiguousarray(b, dtype=np.float32)
     blob = save(weights)
     weights_name = f"policy-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
     meta = {

@@ -60,12 +60,13 @@ def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, k: int, memo: dict) -
 def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
             episodes: dict[int, int], max_new_tokens: int, seed: int = 0, progress: bool = True,
             follow: LengthPolicy | None = None, context_lens: list[int] = (),
-            conditions: list[MachineCondition] = (), hardware_noise: float = 0.0) -> Dataset:
+            conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0) -> Dataset:
     """Q-regret labels (rollouts of `base`) on the states that `follow` visits (None: the improved policy,
     argmin Q): for each batch size b, `episodes[b]` episodes (one row: every trace once, in order, when
     episodes >= the traces); with `context_lens` (simulated long contexts) the episodes cycle through them,
     and with `conditions` (machine conditions: cost model + counters) through those, every context under each
-    (episode j: context j mod C, condition j div C mod N), the counters read off by `hardware_noise`."""
+    (episode j: context j mod C, condition j div C mod N), the counters read off by `hardware_noise`; with
+    `cost_jitter` each episode's cost curve is perturbed (ReplayEnv), its rollouts priced under that curve."""
     rng = np.random.default_rng(seed)
     obs, regret, batch = [], [], []
     plan = []
@@ -85,7 +86,7 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
         condition = conditions[(j // max(1, len(context_lens))) % len(conditions)] if conditions else None
         env = ReplayEnv(traces, condition.cost if condition else cost, k_max=k_max, noise=0.0,
                         hardware=condition.hardware if condition else hardware, batch_sizes=[b],
-                        max_new_tokens=max_new_tokens, hardware_noise=hardware_noise)
+                        max_new_tokens=max_new_tokens, hardware_noise=hardware_noise, cost_jitter=cost_jitter)
         memo = {id(t): t for t in traces} | {id(traces): traces, id(env.cost): env.cost}
         context = context_lens[j % len(context_lens)] if context_lens else 0
         o, _ = env.reset(seed=seed * 100003 + j, options={"trace_indices": indices, "context_len": context})
@@ -171,7 +172,7 @@ def mean_regret(policy: LengthPolicy, data: Dataset) -> float:
 def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
                    episodes: dict[int, int], max_new_tokens: int, rounds: int, hidden: list[int], activation: str,
                    epochs: int = 200, seed: int = 0, progress: bool = True, log=None, context_lens: list[int] = (),
-                   conditions: list[MachineCondition] = (), hardware_noise: float = 0.0):
+                   conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0):
     """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
     under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
     (DAgger: the datasets are pooled) and refits. Returns (layers, normalisation, per-round history)."""
@@ -179,7 +180,7 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
     for r in range(rounds):
         new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
                       progress=progress, follow=None if r == 0 else policy, context_lens=context_lens,
-                      conditions=conditions, hardware_noise=hardware_noise)
+                      conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter)
         data = new if data is None else merge(data, new)
         layers, norm = fit(data, hidden, activation, epochs, seed=seed + r)
         fitted = as_policy(layers, norm, activation, k_max)

@@ -179,13 +179,13 @@ def machine_conditions(cfg: TrainConfig, device_key: str, cost: CostModel, hardw
 
 def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
                    max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
-                   speed_jitter: float = 1.0, context_lens: list[int] = ()):
+                   speed_jitter: float = 1.0, context_lens: list[int] = (), cost_jitter: float = 0.0):
     traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
     conditions = machine_conditions(cfg, device_key, cost, hardware, profile)
     return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)), hardware=hardware,
                              max_new_tokens=max_new_tokens, reward=reward, batch_sizes=batch_sizes,
                              speed_jitter=speed_jitter, context_lens=context_lens, conditions=conditions,
-                             hardware_noise=cfg.hardware_noise if conditions else 0.0)
+                             hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=cost_jitter)
 
 
 def _best_rule(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
@@ -231,7 +231,7 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
         base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
         list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=cfg.seed, progress=cfg.progress,
         log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts, conditions=conditions,
-        hardware_noise=cfg.hardware_noise if conditions else 0.0)
+        hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=float(hp.get("replay_cost_jitter") or 0.0))
     return (layers, norm), history
 
 
@@ -349,7 +349,8 @@ def train_main(argv: list[str] | None = None) -> int:
         def replay_env_fn(sizes: list[int]):
             one = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
                                  int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), sizes,
-                                 float(hp["replay_speed_jitter"]), [int(c) for c in hp.get("context_lens") or []])
+                                 float(hp["replay_speed_jitter"]), [int(c) for c in hp.get("context_lens") or []],
+                                 float(hp.get("replay_cost_jitter") or 0.0))
             return EnvFns([one] * cfg.n_envs, subprocess=True)
 
         replay_fn = replay_env_fn(batch_sizes)

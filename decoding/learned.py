@@ -92,6 +92,17 @@ class LearnedK(LengthPolicy):
         # weights stored transposed (inputs @ W.T), contiguous: one matmul per layer per decision
         self.layers = [(np.ascontiguousarray(weights[f"{name}.weight"].astype(np.float64).T),
                         weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
+        self._fuse()
+
+    def _fuse(self) -> None:
+        """The layers the decisions run: float32, as trained (the input normalised in float64 first, as SB3's
+        VecNormalize does, then cast), and a pinned feature's clip bounds set to its training mean, so one
+        clip of the raw input does all the input handling. About half the time of float64 layers (a [128, 128]
+        net on this CPU: ~12 us instead of ~23 us per forward)."""
+        self._run = [(np.ascontiguousarray(w.astype(np.float32)), b.astype(np.float32)) for w, b in self.layers]
+        self._read = ~self._still
+        self._lo = np.where(self._still, self.mean, self._lo)
+        self._hi = np.where(self._still, self.mean, self._hi)
 
     @classmethod
     def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None,
@@ -160,6 +171,12 @@ class LearnedK(LengthPolicy):
         if width != len(self.action_to_k):
             raise SpecPilotError(f"policy {self.path}: {width} outputs but {len(self.action_to_k)} actions")
 
+    def input_bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(low, high, read) per feature of this policy, in its order: the bounds every input is clipped into
+        (the trained range and +-clip standard deviations; a pinned feature's training mean) and which
+        features it reads (not pinned). Copies."""
+        return self._lo.copy(), self._hi.copy(), self._read.copy()
+
     def feature_scale(self) -> np.ndarray:
         """1 / the training std of each observation feature (FEATURES order); 0 for pinned or unread ones."""
         scale = np.zeros(len(FEATURES))
@@ -171,12 +188,14 @@ class LearnedK(LengthPolicy):
         x = np.asarray(obs, dtype=np.float64)
         if self._columns is not None:
             x = x[..., self._columns]
-        x = np.minimum(np.maximum(x, self._lo), self._hi)
-        return self._forward((x - self.mean) * self.inv_std)
+        x = np.where(self._still, self.mean, x)  # a pinned feature may hold anything, NaN included
+        return self._forward(np.minimum(np.maximum(x, self._lo), self._hi)).astype(np.float64)
 
-    def _forward(self, z: np.ndarray) -> np.ndarray:
-        last = len(self.layers) - 1
-        for i, (wt, b) in enumerate(self.layers):
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        """Logits (float32) of raw inputs already clipped into the bounds."""
+        z = ((x - self.mean) * self.inv_std).astype(np.float32)
+        last = len(self._run) - 1
+        for i, (wt, b) in enumerate(self._run):
             z = z @ wt + b
             if i < last:
                 z = self.act(z)
@@ -203,9 +222,9 @@ class LearnedK(LengthPolicy):
                 return 0
             x = np.where(self._still, self.mean, x)
         clipped = np.minimum(np.maximum(x, self._lo), self._hi)
-        if self.low is not None and (clipped != x).any():
+        if self.low is not None and ((clipped != x) & self._read).any():
             self.out_of_range += 1
-        return self.action_to_k[int(np.argmax(self._forward((clipped - self.mean) * self.inv_std)))]
+        return self.action_to_k[int(np.argmax(self._forward(clipped)))]
 
     def decision_seconds(self, calls: int = 2000) -> float:
         """Mean seconds of one choose_k on a typical (training-mean) observation."""

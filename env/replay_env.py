@@ -12,6 +12,12 @@ at its trace's end. With `speed_jitter` J each episode runs the whole profile J^
 slower (u uniform in [-1, 1]): the machine's speed drifts, so the measured-cost features must not be
 read as absolute (the reward, in plain steps, is unchanged by it).
 
+A profile's cost curve is one draw: on the CPU two profiles of the same machine a day apart, or a profile and
+the real loop an hour later, disagree on what a verify pass of k tokens costs against a plain step by 5-10%
+per k and up to 15% in level. With `cost_jitter` s each episode scales the cost of every k >= 1 by
+exp(s * (u + z_k)), u and z_k standard normal (u shared by the k's of the episode, z_k each k's own); plain
+steps keep their price. A policy trained so cannot lean on a bump of the curve that the next measurement moves.
+
 Machine conditions (`conditions`): a shared or throttled machine changes what a step costs, and not only
 by a common factor (a power cap slows the compute-bound verify passes of a large batch more than the
 memory-bound plain steps). Each condition is a cost profile measured or simulated under it plus the
@@ -121,7 +127,7 @@ class ReplayEnv(gym.Env):
                  hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved",
                  batch_sizes: tuple[int, ...] | list[int] = (1,), speed_jitter: float = 1.0,
                  context_lens: tuple[int, ...] | list[int] = (), conditions: list[MachineCondition] = (),
-                 hardware_noise: float = 0.0):
+                 hardware_noise: float = 0.0, cost_jitter: float = 0.0):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
@@ -148,6 +154,9 @@ class ReplayEnv(gym.Env):
         if speed_jitter < 1.0:
             raise SpecPilotError(f"speed_jitter is a factor >= 1 (1 = off), got {speed_jitter}")
         self.speed_jitter, self.speed = float(speed_jitter), 1.0
+        if cost_jitter < 0:
+            raise SpecPilotError(f"cost_jitter is a standard deviation >= 0, got {cost_jitter}")
+        self.cost_jitter, self.shape = float(cost_jitter), np.ones(k_max + 1)
         # simulated context lengths (e.g. a GPU profile's 4k-32k): an episode draws one, each row's context starts
         # there (its trace's tokens after it); the cost is taken at that context, the acceptance from the trace
         self.context_lens = [int(c) for c in context_lens]
@@ -183,6 +192,10 @@ class ReplayEnv(gym.Env):
             r.context_offset = max(0, context - r.prompt_len)
         if self.speed_jitter > 1.0:
             self.speed = float(self.speed_jitter ** self.np_random.uniform(-1.0, 1.0))
+        if self.cost_jitter:
+            z = self.np_random.standard_normal(self.k_max + 2)
+            self.shape = np.exp(self.cost_jitter * (z[0] + z[1:]))
+            self.shape[0] = 1.0
         self._draw_condition(options.get("condition"))
         self.trace = rows[0].trace
         self.state = ReplayState(rows, list(range(len(rows))), width=max(r.context_len for r in rows))
@@ -229,7 +242,7 @@ class ReplayEnv(gym.Env):
         table, draft_per_token = self.cost.step_costs(state.width, batch)  # what the step costs
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         noise *= self.speed
-        seconds = table[drafted] * noise
+        seconds = table[drafted] * self.shape[drafted] * noise
         draft_s = min(draft_per_token * drafted * noise, seconds)
         first = rows[0].trace, rows[0].length - rows[0].prompt_len
         for r, accepted in zip(rows, accepted_rows):

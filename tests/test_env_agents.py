@@ -399,6 +399,7 @@ def test_policy_of_an_older_version_reads_its_features_by_name(trained, tmp_path
     zeroed = weights[first].copy()
     zeroed[:, [i for i in range(zeroed.shape[1]) if i not in keep]] = 0.0
     full.layers[0] = (np.ascontiguousarray(zeroed.astype(np.float64).T), full.layers[0][1])
+    full._fuse()  # the layers the decisions run are derived at load
     save_file({**weights, first: np.ascontiguousarray(weights[first][:, keep])}, str(path))
     old = LearnedK.load(folder)
     assert old.features == meta["features"] and old.feature_scale().shape == (len(full.features),)
@@ -407,7 +408,7 @@ def test_policy_of_an_older_version_reads_its_features_by_name(trained, tmp_path
     obs = full.mean + std * rng.standard_normal((300, len(full.features)))
     ks = [full.choose_k(o) for o in obs]
     assert [old.choose_k(o) for o in obs] == ks and len(set(ks)) > 1
-    np.testing.assert_allclose(old.logits(obs), full.logits(obs), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(old.logits(obs), full.logits(obs), rtol=1e-5, atol=1e-6)  # float32 layers
 
 
 def test_missing_policy_file(tmp_path):

@@ -220,3 +220,36 @@ def test_replay_check_sees_what_the_real_loop_sees(recorded):
     assert result["k_distance"] == 1.0 and result["replay_k"][3] == sum(result["replay_k"])
     real_mean, replay_mean, shift = result["features"]["hw_cpu_available"]
     assert real_mean <= 1.0 and replay_mean == pytest.approx(7.0) and shift < -1.0
+
+
+def test_cost_jitter_reprices_each_k_per_episode_and_keeps_the_reward_exact():
+    """With cost_jitter, a step drafting k >= 1 costs the profile's price times that episode's factor for k (the
+    same factor on every step of the episode, another one next episode), a plain step its profile price; the
+    return stays the time saved against plain decoding, so the jitter moves costs, not the reward's meaning."""
+    from decoding.errors import SpecPilotError
+
+    trace = random_trace(random.Random(3), 30)
+    cost = hand_cost()
+    env = ReplayEnv([trace], cost, k_max=4, noise=0.0, cost_jitter=0.1)
+    shapes = []
+    for episode in range(3):
+        env.reset(seed=episode)
+        shapes.append(env.shape.copy())
+        assert env.shape[0] == 1.0
+        done, total, seconds, i = False, 0.0, 0.0, 0
+        while not done:
+            k = [0, 1, 2, 3, 4][i % 5]
+            _, r, done, _, info = env.step(k)
+            profile = cost.step_costs(env.last_step.context_len)[0][info["k"]]
+            assert info["seconds"] == pytest.approx(profile * shapes[-1][info["k"]])
+            total, seconds, i = total + r, seconds + info["seconds"], i + 1
+        plain = sum(cost.step_costs(len(trace.prompt_ids) + j)[0][0] for j in range(len(trace.output_ids)))
+        assert env.episode.plain_seconds == pytest.approx(plain)
+        # (the prompt is 10 tokens: every step is priced below the profile's first context, flat)
+        assert total == pytest.approx((plain - seconds) / cost.step_costs(len(trace.prompt_ids))[0][0])
+    assert not np.allclose(shapes[0], shapes[1]) and np.all(np.abs(np.log(shapes[0][1:])) < 0.6)
+    off = ReplayEnv([trace], cost, k_max=4, noise=0.0)
+    off.reset(seed=0)
+    assert np.all(off.shape == 1.0)
+    with pytest.raises(SpecPilotError, match="cost_jitter"):
+        ReplayEnv([trace], cost, k_max=4, cost_jitter=-0.1)
