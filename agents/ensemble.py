@@ -61,6 +61,9 @@ def merge(members: list[LearnedK]) -> tuple[list[tuple[np.ndarray, np.ndarray]],
     still = ~np.any(reads, axis=0)
     inv_std = np.where(still, 0.0, 1.0 / np.sqrt(var + epsilon))
     lo, hi = bounds(members)
+    if (lo > hi).any():
+        names = [f for f, bad in zip(FEATURES, lo > hi) if bad]
+        raise SpecPilotError(f"the policies' trained ranges do not overlap in {names[:4]}: not one device's seeds")
     normalization = {"mean": mean.tolist(), "var": np.where(still, 0.0, var).tolist(), "epsilon": epsilon,
                      "clip": 1e6, "low": lo.tolist(), "high": hi.tolist()}
     # member i sees z_i = (x - m_i) * s_i = z * (s_i / s) + (m - m_i) * s_i, z = (x - m) * s the common input

@@ -52,6 +52,11 @@ def test_merge_refuses_policies_that_are_not_one_devices_seeds():
     other.meta["draft"] = "default"
     with pytest.raises(SpecPilotError, match="draft"):
         merge([member(0), other])
+    apart = member(1)
+    lo, hi, _ = member(0).input_bounds()
+    apart._lo, apart._hi = hi + 1.0, hi + 2.0  # trained on inputs the other never saw
+    with pytest.raises(SpecPilotError, match="do not overlap"):
+        merge([member(0), apart])
 
 
 def test_ensemble_command_writes_a_policy_learnedk_reads(tmp_path):

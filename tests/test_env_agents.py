@@ -399,7 +399,7 @@ def test_policy_of_an_older_version_reads_its_features_by_name(trained, tmp_path
     zeroed = weights[first].copy()
     zeroed[:, [i for i in range(zeroed.shape[1]) if i not in keep]] = 0.0
     full.layers[0] = (np.ascontiguousarray(zeroed.astype(np.float64).T), full.layers[0][1])
-    full._fuse()  # the layers the decisions run are derived at load
+    full._prepare_layers()  # the layers the decisions run are derived at load
     save_file({**weights, first: np.ascontiguousarray(weights[first][:, keep])}, str(path))
     old = LearnedK.load(folder)
     assert old.features == meta["features"] and old.feature_scale().shape == (len(full.features),)
