@@ -85,8 +85,9 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
                "hardware": np.mean(hardware, axis=0).round(4).tolist() if hardware else None}
     if batch_sizes and lens:
         profile.update(profile_batches(target, draft, prompt_ids, k_max, lens[0], repeats, batch_sizes, progress))
-    if batch_sizes and grid_context_lens:
-        profile["grid"] = profile_grid(target, draft, prompt_ids, k_max, grid_context_lens, repeats, batch_sizes, progress)
+    grid_lens = [c for c in grid_context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
+    if batch_sizes and grid_lens:
+        profile["grid"] = profile_grid(target, draft, prompt_ids, k_max, grid_lens, repeats, batch_sizes, progress)
     return profile
 
 

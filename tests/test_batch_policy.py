@@ -16,7 +16,7 @@ from decoding.models import load_draft, load_target
 from decoding.observation import FEATURES
 from decoding.policies import StaticK
 from decoding.prompts import load_prompts
-from env import ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
+from env import ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
 from env.oracle import CostModel, Trace
 
 K_MAX = 4
@@ -325,3 +325,24 @@ def test_replay_prices_a_batch_at_the_real_loops_cache_width(tiny_pair):
         width += max(env.last_step.accepted_rows) + 1
         assert env.state.width == width
     assert width > max(map(len, prompts)) + len(ks)
+
+
+def test_plain_speed_prices_a_batch_from_its_measured_grid(tiny_model_dirs, tmp_path):
+    """With batch sizes, the measured plain speed holds a batch x context grid: a batch's plain step is that
+    grid's cell (interpolated in context and log batch), not one row's cost times a factor measured at one
+    context; the grid survives save and load."""
+    speed = PlainSpeed([16, 1024], [0.002, 0.003], batch_scale={1: 1.0, 4: 1.5},
+                       grid={"batch_sizes": [1, 4], "context_lens": [16, 1024], "seconds": [[0.002, 0.003], [0.003, 0.009]]})
+    assert speed.step_seconds(1024, 4) == pytest.approx(0.009)  # one factor would say 0.0045
+    assert speed.step_seconds(520, 4) == pytest.approx(0.006)
+    assert speed.step_seconds(520, 2) == pytest.approx(0.5 * (0.0025 + 0.006))  # halfway in log b
+    assert speed.step_seconds(1024, 1) == pytest.approx(0.003)
+    speed.save(tmp_path / "plain.json")
+    assert PlainSpeed.load(tmp_path / "plain.json").step_seconds(1024, 4) == pytest.approx(0.009)
+    no_grid = PlainSpeed([16, 1024], [0.002, 0.003], batch_scale={1: 1.0, 4: 1.5})
+    assert no_grid.step_seconds(1024, 4) == pytest.approx(0.0045)  # older files: the factor
+    target = load_target(tiny_model_dirs["target"], "float32", "cpu")
+    measured = measure_plain_speed(target, list(range(3, 40)), context_lens=(16, 96), repeats=2, batch_sizes=(1, 2))
+    assert measured.grid["batch_sizes"] == [1, 2] and measured.grid["context_lens"] == [16, 96]
+    assert measured.step_seconds(96, 2) == pytest.approx(measured.grid["seconds"][1][1])
+    assert all(s > 0 for row in measured.grid["seconds"] for s in row)
