@@ -132,6 +132,17 @@ def profile_hardware(profile: dict) -> np.ndarray | None:
     return np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
 
 
+def grid_lookup(log_batch_sizes, context_lens, values, batch: int, context: float) -> np.ndarray:
+    """values[b][c][...] of a batch x context grid at (batch, context): linear in context, then in log(batch),
+    held at the grid's edges. The one lookup of every measured or simulated grid (step costs, plain steps)."""
+    values = np.asarray(values, dtype=np.float64)
+    flat = values.reshape(values.shape[0], values.shape[1], -1)
+    at = np.array([[np.interp(context, context_lens, row[:, j]) for j in range(flat.shape[2])] for row in flat])
+    if len(at) > 1:
+        at = np.array([np.interp(np.log(batch), log_batch_sizes, at[:, j]) for j in range(at.shape[1])])
+    return at.reshape(values.shape[2:])
+
+
 class CostModel:
     """Seconds of one step that drafts k tokens and verifies k + 1, at a context length.
 
@@ -171,16 +182,7 @@ class CostModel:
     def _grid_costs(self, context: float, batch: int) -> tuple[np.ndarray, float]:
         """(verify seconds for k = 0..k_max, draft seconds per token), bilinear in log(batch) and context."""
         log_b, contexts, verify, draft = self.grid
-        x = np.log(batch)
-        i = int(np.clip(np.searchsorted(log_b, x) - 1, 0, max(0, len(log_b) - 2)))
-        wb = 0.0 if len(log_b) == 1 else float(np.clip((x - log_b[i]) / (log_b[i + 1] - log_b[i]), 0.0, 1.0))
-        rows = [verify[i]] if len(log_b) == 1 else [verify[i], verify[i + 1]]
-        drafts = [draft[i]] if len(log_b) == 1 else [draft[i], draft[i + 1]]
-        at = [np.array([np.interp(context, contexts, row[:, k]) for k in range(self.k_max + 1)]) for row in rows]
-        d = [float(np.interp(context, contexts, row)) for row in drafts]
-        if len(at) == 1:
-            return at[0], d[0]
-        return (1 - wb) * at[0] + wb * at[1], (1 - wb) * d[0] + wb * d[1]
+        return grid_lookup(log_b, contexts, verify, batch, context), float(grid_lookup(log_b, contexts, draft, batch, context))
 
     @property
     def max_batch(self) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 from decoding.errors import SpecPilotError
 from decoding.paths import atomic_write_text, read_json_file
 
+from .oracle import grid_lookup
 from .profile import profile_costs
 
 
@@ -37,9 +38,8 @@ class PlainSpeed:
         if batch == 1:
             return seconds
         if self.grid:
-            sizes = np.log(np.asarray(self.grid["batch_sizes"], dtype=np.float64))
-            at = [np.interp(context_len, self.grid["context_lens"], row) for row in self.grid["seconds"]]
-            return float(np.interp(np.log(batch), sizes, at))
+            return float(grid_lookup(np.log(self.grid["batch_sizes"]), self.grid["context_lens"], self.grid["seconds"],
+                                     batch, context_len))
         sizes = sorted(self.batch_scale)
         if batch > sizes[-1] and len(sizes) == 1:
             raise ValueError(f"no plain-step cost measured for batch size {batch}")
