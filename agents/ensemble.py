@@ -20,6 +20,7 @@ from decoding.config import parse_config, run_cli
 from decoding.errors import SpecPilotError
 from decoding.learned import LearnedK
 from decoding.observation import FEATURES
+from decoding.paths import relative
 
 from .export import write_policy
 
@@ -116,22 +117,28 @@ def check_merged(members: list[LearnedK], meta_path: Path, tolerance: float = 1e
     return gap
 
 
-def ensemble_main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(EnsembleConfig, argv)
-    paths = [p.strip() for p in cfg.policies.split(",") if p.strip()]
-    if len(paths) < 2 or not cfg.out:
-        raise SpecPilotError("--policies needs at least two comma-separated policies, and --out a folder")
+def merge_policies(paths: list, out) -> Path:
+    """Merge the policies at `paths` into OUT/policy.json (written atomically, checked against the members'
+    mean logits); the members' paths, weights and seeds go into its `ensemble` entry."""
     members = [LearnedK.load(p, allow_device_mismatch=True) for p in paths]
     layers, normalization = merge(members)
     meta = members[0].meta
     written = {"format_version", "weights", "features", "normalization", "activation", "layers", "action_to_k",
                "k_max", "device", "hardware_name", "training_steps", "versions", "created", "seed", "ensemble"}
     provenance = {key: value for key, value in meta.items() if key not in written}  # what the members share
-    provenance["ensemble"] = [{"path": m.path, "weights": m.meta.get("weights"), "seed": m.meta.get("seed")}
+    provenance["ensemble"] = [{"path": relative(m.path), "weights": m.meta.get("weights"), "seed": m.meta.get("seed")}
                               for m in members]
-    out = write_policy(cfg.out, layers, normalization, meta["activation"], members[0].k_max, meta["device"],
-                       meta.get("hardware_name", ""), sum(int(m.meta.get("training_steps", 0)) for m in members),
-                       provenance, check=lambda path: check_merged(members, path))
+    return write_policy(out, layers, normalization, meta["activation"], members[0].k_max, meta["device"],
+                        meta.get("hardware_name", ""), sum(int(m.meta.get("training_steps", 0)) for m in members),
+                        provenance, check=lambda path: check_merged(members, path))
+
+
+def ensemble_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(EnsembleConfig, argv)
+    paths = [p.strip() for p in cfg.policies.split(",") if p.strip()]
+    if len(paths) < 2 or not cfg.out:
+        raise SpecPilotError("--policies needs at least two comma-separated policies, and --out a folder")
+    out = merge_policies(paths, cfg.out)
     decision_us = 1e6 * LearnedK.load(out, allow_device_mismatch=True).decision_seconds()
     print(json.dumps({"policy": str(out), "members": paths, "decision_us": round(decision_us, 1)}))
     return 0

@@ -55,10 +55,10 @@ def fit_check_main(argv: list[str] | None = None) -> int:
     rules = read_json_file(policy_dir(cfg.device, cfg.draft, POLICIES) / "rules.json", "tuned rules", keys=("best_rule",))
     rule = rules_policy(rules["best_rule"], profile, train, 8, cfg.draft)
     hidden = parse_ints(cfg.hidden, "--hidden")
-    first = collect(rule, fit_on, cost, 8, hardware, [1], {1: len(fit_on)}, cfg.max_new_tokens, seed=0, progress=True)
+    first = collect(rule, fit_on, cost, 8, hardware, [1], {1: len(fit_on)}, cfg.max_new_tokens, seed=0, progress=True, workers=0)
     fitted = as_policy(*fit(first, hidden, "tanh", 200, seed=0), "tanh", 8)
     second = collect(fitted, fit_on, cost, 8, hardware, [1], {1: len(fit_on)}, cfg.max_new_tokens, seed=1,
-                     progress=True, follow=fitted)
+                     progress=True, follow=fitted, workers=0)
     data = merge(first, second)
     base = replay_evaluate({"rule": rule}, val, cost, 8, hardware, 1, cfg.max_new_tokens)["rule"]["speedup"]
     print(f"{len(val)} held-out train prompts, one row; the best tuned rule: {base:.4f}x plain")

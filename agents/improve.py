@@ -15,6 +15,8 @@ The base policy of the first round is the best engine rule tuned on the train sp
 from __future__ import annotations
 
 import copy
+import multiprocessing
+import os
 import sys
 from dataclasses import dataclass
 
@@ -60,13 +62,15 @@ def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, k: int, memo: dict) -
 def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
             episodes: dict[int, int], max_new_tokens: int, seed: int = 0, progress: bool = True,
             follow: LengthPolicy | None = None, context_lens: list[int] = (),
-            conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0) -> Dataset:
+            conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
+            workers: int = 1) -> Dataset:
     """Q-regret labels (rollouts of `base`) on the states that `follow` visits (None: the improved policy,
     argmin Q): for each batch size b, `episodes[b]` episodes (one row: every trace once, in order, when
     episodes >= the traces); with `context_lens` (simulated long contexts) the episodes cycle through them,
     and with `conditions` (machine conditions: cost model + counters) through those, every context under each
     (episode j: context j mod C, condition j div C mod N), the counters read off by `hardware_noise`; with
-    `cost_jitter` each episode's cost curve is perturbed (ReplayEnv), its rollouts priced under that curve."""
+    `cost_jitter` each episode's cost curve is perturbed (ReplayEnv), its rollouts priced under that curve.
+    `workers` processes label the episodes (0 = one per CPU core); the labels are the same for any number."""
     rng = np.random.default_rng(seed)
     obs, regret, batch = [], [], []
     plan = []
@@ -81,32 +85,71 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
             groups = [[order[i] for i in group] for group in batches_of(len(traces), b)]
             plan += [(b, [int(i) for i in rng.permutation(len(traces))[:b]]) if j >= len(groups) else (b, groups[j])
                      for j in range(n)]
+    shared = (base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions, hardware_noise,
+              cost_jitter, seed)
+    tasks = [(j, b, indices) for j, (b, indices) in enumerate(plan)]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     bar = tqdm(total=len(plan), desc="rollout labels", disable=not progress, file=sys.stderr)
-    for j, (b, indices) in enumerate(plan):
-        condition = conditions[(j // max(1, len(context_lens))) % len(conditions)] if conditions else None
-        env = ReplayEnv(traces, condition.cost if condition else cost, k_max=k_max, noise=0.0,
-                        hardware=condition.hardware if condition else hardware, batch_sizes=[b],
-                        max_new_tokens=max_new_tokens, hardware_noise=hardware_noise, cost_jitter=cost_jitter)
-        memo = {id(t): t for t in traces} | {id(traces): traces, id(env.cost): env.cost}
-        context = context_lens[j % len(context_lens)] if context_lens else 0
-        o, _ = env.reset(seed=seed * 100003 + j, options={"trace_indices": indices, "context_len": context})
-        base.reset()
-        if follow is not None:
-            follow.reset()
-        done = False
-        while not done:
-            q = np.array([_rollout_seconds(env, base, k, memo) for k in range(k_max + 1)])
-            obs.append(o)
-            regret.append((q - q.min()) / env.credit.unit)
-            batch.append(b)
-            k = int(np.argmin(q)) if follow is None else follow.choose_k(o)
-            o, _, done, _, _ = env.step(k)
-            base.update(env.last_step)
-            if follow is not None and follow is not base:
-                follow.update(env.last_step)
-        bar.update()
+    if workers == 1:
+        _start_worker(*shared)
+        labelled = map(_label_episode, tasks)
+    else:  # episodes are independent and seeded by their index: the same labels in any process, in plan order
+        pool = multiprocessing.get_context("spawn").Pool(workers, _start_worker, shared)
+        labelled = pool.imap(_label_episode, tasks)
+    try:
+        for o, r, b in labelled:
+            obs += o
+            regret += r
+            batch += b
+            bar.update()
+    finally:
+        if workers > 1:
+            pool.terminate()
+        _WORKER.clear()
     bar.close()
     return Dataset(np.asarray(obs, dtype=np.float32), np.asarray(regret, dtype=np.float32), np.asarray(batch))
+
+
+_WORKER: dict = {}
+"""What every episode of one `collect` shares, set once per process (`_start_worker`)."""
+
+
+def _start_worker(base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions,
+                  hardware_noise, cost_jitter, seed) -> None:
+    _WORKER.update(base=base, follow=follow, traces=traces, cost=cost, k_max=k_max, hardware=hardware,
+                   max_new_tokens=max_new_tokens, context_lens=context_lens, conditions=conditions,
+                   hardware_noise=hardware_noise, cost_jitter=cost_jitter, seed=seed)
+
+
+def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
+    """(observations, regrets, batch sizes) of episode j of the plan: batch size b, these traces."""
+    j, b, indices = task
+    w = _WORKER
+    base, follow, traces, k_max, context_lens, conditions = (w[x] for x in ("base", "follow", "traces", "k_max",
+                                                                            "context_lens", "conditions"))
+    condition = conditions[(j // max(1, len(context_lens))) % len(conditions)] if conditions else None
+    env = ReplayEnv(traces, condition.cost if condition else w["cost"], k_max=k_max, noise=0.0,
+                    hardware=condition.hardware if condition else w["hardware"], batch_sizes=[b],
+                    max_new_tokens=w["max_new_tokens"], hardware_noise=w["hardware_noise"], cost_jitter=w["cost_jitter"])
+    memo = {id(t): t for t in traces} | {id(traces): traces, id(env.cost): env.cost}
+    context = context_lens[j % len(context_lens)] if context_lens else 0
+    o, _ = env.reset(seed=w["seed"] * 100003 + j, options={"trace_indices": indices, "context_len": context})
+    base.reset()
+    if follow is not None:
+        follow.reset()
+    obs, regret, batch = [], [], []
+    done = False
+    while not done:
+        q = np.array([_rollout_seconds(env, base, k, memo) for k in range(k_max + 1)])
+        obs.append(o)
+        regret.append((q - q.min()) / env.credit.unit)
+        batch.append(b)
+        k = int(np.argmin(q)) if follow is None else follow.choose_k(o)
+        o, _, done, _, _ = env.step(k)
+        base.update(env.last_step)
+        if follow is not None and follow is not base:
+            follow.update(env.last_step)
+    return obs, regret, batch
 
 
 def merge(*sets: Dataset) -> Dataset:
@@ -172,7 +215,8 @@ def mean_regret(policy: LengthPolicy, data: Dataset) -> float:
 def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
                    episodes: dict[int, int], max_new_tokens: int, rounds: int, hidden: list[int], activation: str,
                    epochs: int = 200, seed: int = 0, progress: bool = True, log=None, context_lens: list[int] = (),
-                   conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0):
+                   conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
+                   workers: int = 1):
     """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
     under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
     (DAgger: the datasets are pooled) and refits. Returns (layers, normalisation, per-round history)."""
@@ -180,7 +224,7 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
     for r in range(rounds):
         new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
                       progress=progress, follow=None if r == 0 else policy, context_lens=context_lens,
-                      conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter)
+                      conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter, workers=workers)
         data = new if data is None else merge(data, new)
         layers, norm = fit(data, hidden, activation, epochs, seed=seed + r)
         fitted = as_policy(layers, norm, activation, k_max)

@@ -31,10 +31,12 @@ from decoding.policies import (
     StaticK,
 )
 from decoding.prompts import load_prompts, per_category
+from decoding.tracking import log_rows
 from env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
 from env.oracle import CostModel, load_draft_traces, load_profile, truncate
 from env.replay_env import MachineCondition, replay_steps_per_second
 
+from .ensemble import merge_policies
 from .export import export_policy, write_policy
 from .improve import improve_policy
 from .ppo import EnvFns, fit_rollouts, load_hyperparams, split_budget, train
@@ -71,8 +73,11 @@ class TrainConfig:
     """Track the run with W&B (online with WANDB_API_KEY, else offline; sync later with `wandb sync`)."""
     wandb_project: str = "specpilot"
     """W&B project name."""
-    seed: int = 0
-    """Seed of PPO and of the env's prompt choice."""
+    seed: int | None = None
+    """Seed of the warm start, of PPO and of the env's prompt choice: one policy (default: the YAML's `seeds`)."""
+    seeds: str = ""
+    """Comma-separated seeds: one policy per seed (OUT/DEVICE/DRAFT/seeds/seed-N/), merged into one whose logits
+    are their mean (agents/ensemble.py); default: the YAML's `seeds` (CPU: 1,2, the committed policy), else 0."""
     resume: bool = False
     """Continue a killed run from its last checkpoint in OUT/DEVICE/run/checkpoints."""
     out: str = "policies"
@@ -208,9 +213,9 @@ def _best_rule(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tra
 
 
 def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
-                batch_sizes: list[int], out: Path):
-    """Rollout policy improvement from the best engine rule tuned on the train split (agents.improve):
-    (layers, normalisation) for PPO to start from, and its history."""
+                batch_sizes: list[int], out: Path, seed: int):
+    """Rollout policy improvement from the best engine rule tuned on the train split (agents.improve, with this
+    seed): (layers, normalisation) for PPO to start from, and its history."""
     k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
     contexts = [int(c) for c in hp.get("context_lens") or []]
     traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
@@ -229,9 +234,10 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
           file=sys.stderr)
     layers, norm, history = improve_policy(
         base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
-        list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=cfg.seed, progress=cfg.progress,
+        list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=seed, progress=cfg.progress,
         log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts, conditions=conditions,
-        hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=float(hp.get("replay_cost_jitter") or 0.0))
+        hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=float(hp.get("replay_cost_jitter") or 0.0),
+        workers=int(hp.get("rollout_workers") or 0))
     return (layers, norm), history
 
 
@@ -248,6 +254,26 @@ def fitting_prompts(target, prompts: list, room: int) -> list:
         warn(f"{len(prompts) - len(fits)} of {len(prompts)} train prompts do not fit the target's context window "
              f"({window} tokens) with {room} to spare; the real-loop env leaves them out")
     return fits
+
+
+def train_seeds(cfg: TrainConfig, hp: dict) -> list[int]:
+    """The seeds to train: --seeds, else --seed, else the YAML's `seeds`, else [0]."""
+    if cfg.seeds and cfg.seed is not None:
+        raise SpecPilotError("pass --seed (one policy) or --seeds (an ensemble), not both")
+    if cfg.seeds:
+        try:
+            seeds = [int(x) for x in cfg.seeds.split(",") if x.strip()]
+        except ValueError:
+            seeds = [-1]
+        if not seeds or min(seeds) < 0:
+            raise SpecPilotError(f"--seeds must be comma-separated integers >= 0, got '{cfg.seeds}'")
+    elif cfg.seed is not None:
+        seeds = [cfg.seed]
+    else:
+        seeds = [int(x) for x in hp.get("seeds") or [0]]
+    if len(set(seeds)) != len(seeds):
+        raise SpecPilotError(f"--seeds repeats a seed: {seeds}")
+    return seeds
 
 
 def plan_steps(cfg: TrainConfig, hp: dict, mode: str) -> dict[str, int]:
@@ -377,44 +403,65 @@ def train_main(argv: list[str] | None = None) -> int:
         plan.append(f"rollouts of {n_steps} steps" + (f" x {cfg.n_envs} envs" if cfg.n_envs > 1 else ""))
     print(f"specpilot: plan (env {mode}): " + (", ".join(plan) or "nothing to train"), file=sys.stderr)
 
-    init, warm_history = None, []
-    if warm:
-        warm_path = run_dir / "warm_start.json"
-        if cfg.resume and warm_path.exists():
-            saved = read_json_file(warm_path, "warm-start file", keys=("layers", "normalization", "history"))
-            init = ([(np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)) for w, b in saved["layers"]],
-                    saved["normalization"])
-            warm_history = saved["history"]
-        else:
-            init, warm_history = _warm_start(cfg, hp, device_key, draft.name, {p.question_id for p in train_prompts},
-                                             torch_device, batch_sizes, out)
-            atomic_write_text(warm_path, json.dumps({"layers": [[w.tolist(), b.tolist()] for w, b in init[0]],
-                                                     "normalization": init[1], "history": warm_history}))
     phases = [p for p in phases if p[2] > 0]
-    run_config = {"device": device_key, "hardware_name": hardware_name, "target": target.name,
-                  "draft": draft.name, **{k: v for k, v in asdict(cfg).items() if k not in ("hp",)}}
-    provenance = {"target": target.name if simulated is None else simulated["target"], "draft": draft.name,
-                  "simulated": simulated is not None, "profile": relative(cfg.profile) if cfg.profile else None,
-                  "context_lens": [int(c) for c in hp.get("context_lens") or []],
-                  "condition_profiles": [relative(p.strip()) for p in cfg.condition_profiles.split(",") if p.strip()],
-                  "max_new_tokens": int(hp["max_new_tokens"]),
-                  "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
-                  "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": cfg.seed,
-                  "env": mode, "hyperparams": hp, "warm_start": warm_history}
-    if phases:
-        model, venv = train(phases, hp, run_dir, seed=cfg.seed, resume=cfg.resume, track=cfg.track,
-                            wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init)
-        meta_path = export_policy(model, venv, out, device_key, hardware_name, k_max, provenance,
-                                  check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
-                                  activation=str(hp["activation"]))
-        venv.close()  # its envs' processes and background loads
-        how = "checked against SB3's actions"
-    elif init is not None:  # the warm start alone (no PPO steps asked for)
-        meta_path = write_policy(out, init[0], init[1], str(hp["activation"]), k_max, device_key, hardware_name, 0,
-                                 provenance)
-        how = "the rollout-improved policy, no PPO steps"
-    else:
+    seeds = train_seeds(cfg, hp)
+    hp.pop("seeds", None)  # each member records its own seed
+
+    def train_one(seed: int, member_out: Path) -> tuple[Path, str]:
+        """Warm start, PPO phases and export of one seed's policy into `member_out` (its run in member_out/run)."""
+        member_run = member_out / "run"
+        member_run.mkdir(parents=True, exist_ok=True)
+        init, warm_history = None, []
+        if warm:
+            warm_path = member_run / "warm_start.json"
+            if cfg.resume and warm_path.exists():
+                saved = read_json_file(warm_path, "warm-start file", keys=("layers", "normalization", "history"))
+                init = ([(np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)) for w, b in saved["layers"]],
+                        saved["normalization"])
+                warm_history = saved["history"]
+            else:
+                init, warm_history = _warm_start(cfg, hp, device_key, draft.name, {p.question_id for p in train_prompts},
+                                                 torch_device, batch_sizes, out, seed)
+                atomic_write_text(warm_path, json.dumps({"layers": [[w.tolist(), b.tolist()] for w, b in init[0]],
+                                                         "normalization": init[1], "history": warm_history}))
+        run_config = {"device": device_key, "hardware_name": hardware_name, "target": target.name,
+                      "draft": draft.name, **{k: v for k, v in asdict(cfg).items() if k not in ("hp",)}, "seed": seed}
+        provenance = {"target": target.name if simulated is None else simulated["target"], "draft": draft.name,
+                      "simulated": simulated is not None, "profile": relative(cfg.profile) if cfg.profile else None,
+                      "context_lens": [int(c) for c in hp.get("context_lens") or []],
+                      "condition_profiles": [relative(p.strip()) for p in cfg.condition_profiles.split(",") if p.strip()],
+                      "max_new_tokens": int(hp["max_new_tokens"]),
+                      "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
+                      "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": seed,
+                      "env": mode, "hyperparams": hp, "warm_start": warm_history}
+        if phases:
+            model, venv = train(phases, hp, member_run, seed=seed, resume=cfg.resume, track=cfg.track,
+                                wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init)
+            path = export_policy(model, venv, member_out, device_key, hardware_name, k_max, provenance,
+                                 check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
+                                 activation=str(hp["activation"]))
+            venv.close()  # its envs' processes and background loads
+            return path, "checked against SB3's actions"
+        if init is not None:  # the warm start alone (no PPO steps asked for)
+            log_rows(cfg.track, cfg.wandb_project, member_run, {**run_config, **hp}, "warm_start", warm_history)
+            return (write_policy(member_out, init[0], init[1], str(hp["activation"]), k_max, device_key, hardware_name,
+                                 0, provenance), "the rollout-improved policy, no PPO steps")
         raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
+
+    if len(seeds) == 1:
+        meta_path, how = train_one(seeds[0], out)
+    else:  # one policy per seed, then their mean (a member already trained is kept on --resume)
+        members = []
+        for number, seed in enumerate(seeds, 1):
+            member_out = out / "seeds" / f"seed-{seed}"
+            if cfg.resume and (member_out / "policy.json").exists():
+                print(f"specpilot: seed {seed} ({number}/{len(seeds)}): kept {member_out / 'policy.json'}", file=sys.stderr)
+            else:
+                print(f"specpilot: seed {seed} ({number}/{len(seeds)})", file=sys.stderr)
+                train_one(seed, member_out)
+            members.append(member_out / "policy.json")
+        meta_path = merge_policies(members, out)
+        how = f"the mean of {len(seeds)} seeds' policies ({', '.join(map(str, seeds))}), checked against theirs"
     learned = LearnedK.load(meta_path, device=device_key, draft=draft.name)
     print(f"specpilot: exported {meta_path} ({how}); one decision takes "
           f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
@@ -439,6 +486,10 @@ def train_main(argv: list[str] | None = None) -> int:
           f"vs plain: {row['speedup']:.3f}x"
           + (f"; vs best-rule: {row['tokens_per_s'] / table['best-rule']['overall']['tokens_per_s']:.3f}x"
              if "best-rule" in table else ""))
+    log_rows(cfg.track, cfg.wandb_project, run_dir, {"device": device_key, "draft": draft.name, "policy": str(meta_path),
+                                                     "prompts": [p.question_id for p in held_out]}, "eval",
+             summary={f"{name}/{key}": value for name, row in table.items()
+                      for key, value in row["overall"].items() if isinstance(value, (int, float))})
     atomic_write_text(run_dir / "eval.json", json.dumps({"summary": summary, "best_static": best_static,
                                                          "prompts": [p.question_id for p in held_out]}, indent=1))
     print(f"specpilot: done in {time.perf_counter() - started:.0f} s (evaluation: results in {run_dir / 'eval.json'})",

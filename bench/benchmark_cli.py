@@ -6,6 +6,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+from tqdm import tqdm
+
 from decoding.config import at_least, parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.hardware import device_of
@@ -23,7 +26,7 @@ from env.oracle import (
     train_traces,
     truncate,
 )
-from env.replay_env import replay_evaluate
+from env.replay_env import cost_shape, replay_evaluate
 
 from .batch_table import BatchTableK
 from .benchmark import (
@@ -101,6 +104,13 @@ class BenchmarkConfig:
     replay: bool = False
     """Instead of timing the real loop, evaluate the policies on the recorded traces with the device's
     cost model, without noise (the replay env PPO pre-trains on): seconds instead of minutes."""
+    cost_jitter: float = 0.0
+    """With --replay: also replay under --cost-draws cost curves, each k >= 1 priced exp(s (u + z_k)) times the
+    profile's (u, z_k standard normal, seeded; env/replay_env.py's cost_jitter): a profile is one draw of what a
+    step costs, and a policy that leans on a bump of it loses when the next measurement moves it. Prints each
+    policy's speedup over --versus (else plain) under the draws: mean, worst, 10th percentile."""
+    cost_draws: int = 20
+    """Cost curves drawn with --cost-jitter."""
     rules: str | None = None
     """Tuned rules for the policies best-rule and rule:FAMILY (default: policies/DEVICE/DRAFT/rules.json,
     written by scripts/tune_rules.py on the train split)."""
@@ -292,7 +302,9 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
                                           for b in sizes))
         if "oracle" in policies and max(sizes) > 1:
             print("oracle: its hindsight schedule is per sequence, so it is shown at B = 1 only")
-        (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size}, indent=1))
+        jitter = _cost_jitter_report(cfg, policies, traces, cost, hardware, sizes)
+        (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size,
+                                                           **jitter}, indent=1))
         _print_range_report(_range_report(policies))
         return 0
     results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware, max_new_tokens=cfg.max_new_tokens)
@@ -302,9 +314,38 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
     for name, row in results.items():
         print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
               + (f"{row['fraction_of_oracle']:>8.3f}" if "oracle" in results else ""))
-    (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results}, indent=1))
+    jitter = _cost_jitter_report(cfg, policies, traces, cost, hardware, [1])
+    (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results, **jitter}, indent=1))
     _print_range_report(_range_report(policies))
     return 0
+
+
+def _cost_jitter_report(cfg, policies: dict, traces, cost, hardware, sizes: list[int]) -> dict:
+    """--cost-jitter: each policy's speedup over --versus (else plain) under --cost-draws perturbed cost curves,
+    per batch size, printed and returned as {"cost_jitter": ...} ({} without --cost-jitter). The oracle is left
+    out: its schedule is optimal for the profile's curve, not for a perturbed one."""
+    if not cfg.cost_jitter:
+        return {}
+    at_least(1, cost_draws=cfg.cost_draws)
+    versus = cfg.versus if cfg.versus in policies else None
+    rng = np.random.default_rng(0)
+    shapes = [cost_shape(rng, cfg.k_max, cfg.cost_jitter) for _ in range(cfg.cost_draws)]
+    names = [n for n in policies if n != "oracle"]
+    ratios = {n: {} for n in names}
+    for b in sizes:
+        runs = [replay_evaluate({n: policies[n] for n in names}, traces, cost, cfg.k_max, hardware, b,
+                                cfg.max_new_tokens, shape=shape) for shape in tqdm(shapes, desc=f"cost draws B={b}",
+                                                                                     disable=not cfg.progress, leave=False)]
+        for n in names:
+            r = np.array([run[n]["speedup"] / (run[versus]["speedup"] if versus else 1.0) for run in runs])
+            ratios[n][b] = {"mean": float(r.mean()), "worst": float(r.min()), "p10": float(np.percentile(r, 10))}
+    print(f"under {cfg.cost_draws} cost curves with each k >= 1 jittered (sd {cfg.cost_jitter:g}, seed 0): speedup over "
+          f"{versus or 'plain'}, mean [worst, 10th percentile]")
+    print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>24}" for b in sizes))
+    for n in names:
+        print(f"{n:<16}" + "".join(f"{ratios[n][b]['mean']:>9.3f} [{ratios[n][b]['worst']:.3f}, {ratios[n][b]['p10']:.3f}]"
+                                   for b in sizes))
+    return {"cost_jitter": {"sd": cfg.cost_jitter, "draws": cfg.cost_draws, "versus": versus or "plain", "ratios": ratios}}
 
 
 def _replay_check(cfg, target, device_key: str, draft, sampling, policies: dict, prompts) -> int:
@@ -336,6 +377,9 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     at_least(1, repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
     names = expand_policies(cfg.policies)
     loads = parse_loads(cfg.background_load)
+    if cfg.cost_jitter < 0 or (cfg.cost_jitter and not cfg.replay):
+        raise SpecPilotError(f"--cost-jitter is a standard deviation >= 0 that perturbs the --replay cost model, "
+                             f"got {cfg.cost_jitter:g}" + ("" if cfg.replay else " without --replay"))
     if loads != ["none"] and (cfg.replay or cfg.replay_check):
         raise SpecPilotError("--background-load times the real loop; --replay and --replay-check time nothing")
     if "oracle" in names and loads != ["none"] and not cfg.replay:

@@ -193,9 +193,7 @@ class ReplayEnv(gym.Env):
         if self.speed_jitter > 1.0:
             self.speed = float(self.speed_jitter ** self.np_random.uniform(-1.0, 1.0))
         if self.cost_jitter:
-            z = self.np_random.standard_normal(self.k_max + 2)
-            self.shape = np.exp(self.cost_jitter * (z[0] + z[1:]))
-            self.shape[0] = 1.0
+            self.shape = cost_shape(self.np_random, self.k_max, self.cost_jitter)
         self._draw_condition(options.get("condition"))
         self.trace = rows[0].trace
         self.state = ReplayState(rows, list(range(len(rows))), width=max(r.context_len for r in rows))
@@ -289,6 +287,15 @@ def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -
     return steps / (time.perf_counter() - t0)
 
 
+def cost_shape(rng: np.random.Generator, k_max: int, jitter: float) -> np.ndarray:
+    """One draw of the per-k cost factors of `cost_jitter`: exp(jitter * (u + z_k)) for k = 1..k_max, u shared
+    and z_k each k's own (standard normal), 1 for k = 0 (a plain step keeps its price)."""
+    z = rng.standard_normal(k_max + 2)
+    shape = np.exp(jitter * (z[0] + z[1:]))
+    shape[0] = 1.0
+    return shape
+
+
 def replay_episode(env: ReplayEnv, policy, trace_indices: list[int], context_len: int = 0,
                    condition: str | None = None) -> EpisodeStats:
     """One replayed batch of these traces under `policy` (reset, then choose_k / update every step), its rows'
@@ -304,7 +311,8 @@ def replay_episode(env: ReplayEnv, policy, trace_indices: list[int], context_len
 
 def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max: int,
                     hardware: np.ndarray | None = None, batch_size: int = 1,
-                    max_new_tokens: int | None = None, context_len: int = 0) -> dict[str, dict]:
+                    max_new_tokens: int | None = None, context_len: int = 0,
+                    shape: np.ndarray | None = None) -> dict[str, dict]:
     """Noise-free speedup over plain decoding of each policy on the traces, by the device's cost model.
 
     The same replay env PPO pre-trains on, without noise: a policy's number here depends only on its
@@ -312,10 +320,15 @@ def replay_evaluate(policies: dict, traces: list[Trace], cost: CostModel, k_max:
     noise. With batch_size B the traces are replayed B at a time (consecutive groups) as batches.
     `max_new_tokens`: the generation budget the rows see (as in the real loop; default: each trace's length).
     `context_len`: the rows' simulated context (their traces' tokens after it; 0 = the prompts' own).
+    `shape`: per-k factors (k = 0..k_max) on the profile's step costs, one `cost_shape` draw (None = the profile).
     """
 
     env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size],
                     max_new_tokens=max_new_tokens)
+    if shape is not None:
+        if len(shape) != k_max + 1:
+            raise SpecPilotError(f"a cost shape has one factor per k = 0..{k_max}, got {len(shape)}")
+        env.shape = np.asarray(shape, dtype=np.float64)
     groups = batches_of(len(traces), batch_size)
     results = {}
     for name, policy in policies.items():

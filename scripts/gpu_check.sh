@@ -55,7 +55,7 @@ step tests "$out/tests.log" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
 step profile "$out/profile.log" "$py" scripts/profile_device.py --device "$device" --target-config "$target_cfg" \
   --draft-config "$draft_cfg" --dtype "$dtype" --no-traces --no-progress --out "$out/profile" "${profile_args[@]}"
 step train "$out/train.log" "$py" scripts/train_policy.py --device "$device" --target "$train_target" --draft ngram \
-  --env real --no-track --no-progress --out "$out/policies" --eval-per-category 1 "${train_args[@]}"
+  --env real --seed 0 --no-track --no-progress --out "$out/policies" --eval-per-category 1 "${train_args[@]}"
 policy=$(ls -d "$out"/policies/*/ngram-3 2>/dev/null | head -1)
 step generate "$out/generate.json" "$py" scripts/generate.py --device "$device" --target "$train_target" --draft ngram \
   --policy "learned:${policy:-none}" --prompt "one two three one two three one two" --max-new-tokens 24 --json

@@ -74,6 +74,8 @@ def cases(f: dict[str, str], target: str) -> list[tuple[str, list[str], str]]:
          "--background-load takes distinct ones of none, compute, memory, both"),
         ("benchmark", bench + ["--prompts", f["prompts.jsonl"], "--split", "test", "--background-load", "compute",
                                "--replay"], "--background-load times the real loop"),
+        ("benchmark", bench + ["--prompts", f["prompts.jsonl"], "--split", "test", "--cost-jitter", "0.1"],
+         "without --replay"),
         ("benchmark", bench + ["--prompts", f["prompts.jsonl"], "--split", "test", "--policies", "oracle",
                                "--batch-sizes", "1,2"], "per sequence"),
         ("benchmark", replay + ["--profile", f["profile.json"], "--traces", f["traces_broken.json"]], "corrupt trace file"),

@@ -136,10 +136,18 @@ def test_tune_picks_each_familys_best_on_the_train_split_and_best_rule_replays_i
     code = benchmark_main(["--device", "cpu", "--draft", "ngram:3", "--split", "all", "--replay", "--profile",
                            str(profile), "--traces", str(traces), "--rules", str(rules), "--batch-sizes", "1",
                            "--k-max", str(K_MAX), "--max-new-tokens", "20", "--policies", "none,best-rule,rule:static",
-                           "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "out")])
+                           "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "out"),
+                           "--cost-jitter", "0.1", "--cost-draws", "3", "--versus", "rule:static", "--no-progress"])
     assert code == 0
-    replay = json.loads((tmp_path / "out" / "replay_batch.json").read_text())["results"]["1"]
+    written = json.loads((tmp_path / "out" / "replay_batch.json").read_text())
+    replay = written["results"]["1"]
     assert replay["rule:static"]["speedup"] == pytest.approx(doc["speedups"]["1"][f"static:{K_MAX}"])
+    # under perturbed cost curves: each policy over the --versus one; every draft accepted here, so drafting
+    # K_MAX stays the best whatever the curve, and plain decoding behind it in every draw
+    jitter = written["cost_jitter"]
+    assert jitter["draws"] == 3 and jitter["versus"] == "rule:static"
+    assert jitter["ratios"]["rule:static"]["1"]["worst"] == pytest.approx(1.0)
+    assert jitter["ratios"]["none"]["1"]["worst"] < jitter["ratios"]["none"]["1"]["mean"] < 1.0
 
 
 def write_prompts(folder):

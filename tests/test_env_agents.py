@@ -93,7 +93,8 @@ def test_env_reset_is_seeded(tiny_env_parts):
 def train_args(dirs, out, timesteps, *extra):
     return ["--device", "cpu", "--target", dirs["target"], "--draft", dirs["draft"], "--timesteps", str(timesteps),
             "--hp", "n_steps=32", "--hp", "batch_size=16", "--hp", "n_epochs=2", "--hp", "checkpoint_every=32",
-            "--hp", "max_new_tokens=12", "--hp", "k_max=4", "--out", str(out), "--eval-per-category", "0", "--no-progress", *extra]
+            "--hp", "max_new_tokens=12", "--hp", "k_max=4", "--out", str(out), "--eval-per-category", "0", "--no-progress",
+            *(() if "--seeds" in extra else ("--seed", "0")), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -463,6 +464,30 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert meta["training_steps"] == 0 and meta["warm_start"][0]["states"] > 0
     assert rules["split"] == "train" and rules["traces"] == 4 and set(rules["best_rule"]) == {"1", "2"}
     assert "low" in meta["normalization"] and LearnedK.load(folder, device="cpu").low is not None
+    # tracked (W&B stood in for): the warm start's rounds are logged as steps of one run, which is then closed
+    import decoding.tracking
+
+    runs = []
+
+    class FakeRun:
+        def __init__(self, config):
+            self.config, self.logged, self.summary, self.finished = config, [], {}, False
+            runs.append(self)
+
+        def log(self, row):
+            self.logged.append(row)
+
+        def finish(self):
+            self.finished = True
+
+    monkeypatch.setattr(decoding.tracking, "start_tracking", lambda track, project, run_dir, config: FakeRun(config) if track else None)
+    args = [a for a in train_args(tiny_model_dirs, tmp_path / "tracked", 0, "--track", "--prompts", str(prompts), "--env",
+                                  "replay", "--batch-sizes", "1,2", "--hp", "replay_timesteps=0", "--hp", "rollout_rounds=2",
+                                  "--hp", "rollout_episodes=2", "--hp", "rollout_epochs=5")]
+    assert train_main(args) == 0
+    history = json.loads((policy_dir(tmp_path / "tracked") / "policy.json").read_text())["warm_start"]
+    assert len(runs) == 1 and runs[0].finished and runs[0].config["rollout_rounds"] == 2
+    assert runs[0].logged == [{f"warm_start/{k}": v for k, v in row.items()} for row in history] and len(history) == 2
     # then PPO from the warm-started weights (its observation statistics frozen: they are the fit's)
     args = train_args(tiny_model_dirs, warm, 64, "--no-track", "--prompts", str(prompts), "--env", "replay",
                       "--batch-sizes", "1,2", "--hp", "rollout_rounds=1",
@@ -623,3 +648,44 @@ def test_real_env_runs_beside_the_background_load_it_draws(tiny_env_parts):
     finally:
         env.close()
     assert not loads_running()
+
+
+def test_seeds_resolve_from_flags_then_yaml():
+    from agents.train_cli import TrainConfig, train_seeds
+
+    assert train_seeds(TrainConfig(), {"seeds": [2, 1]}) == [2, 1]
+    assert train_seeds(TrainConfig(seed=5), {"seeds": [2, 1]}) == [5]
+    assert train_seeds(TrainConfig(seeds="3,4"), {"seeds": [2, 1]}) == [3, 4]
+    assert train_seeds(TrainConfig(), {}) == [0]
+    with pytest.raises(SpecPilotError, match="not both"):
+        train_seeds(TrainConfig(seed=1, seeds="1,2"), {})
+    with pytest.raises(SpecPilotError, match="repeats a seed"):
+        train_seeds(TrainConfig(seeds="1,1"), {})
+    with pytest.raises(SpecPilotError, match="integers >= 0"):
+        train_seeds(TrainConfig(seeds="1,x"), {})
+
+
+def test_seeds_train_one_policy_each_and_export_their_mean(tiny_model_dirs, tmp_path, tiny_env_parts):
+    """--seeds 0,1: each seed's policy in seeds/seed-N/, the exported one computes the mean of their logits and
+    decodes losslessly; --resume keeps the members already trained."""
+    from agents.train_cli import train_main
+
+    assert train_main(train_args(tiny_model_dirs, tmp_path, 32, "--no-track", "--seeds", "0,1")) == 0
+    folder = policy_dir(tmp_path)
+    members = [LearnedK.load(folder / "seeds" / f"seed-{s}" / "policy.json") for s in (0, 1)]
+    meta = json.loads((folder / "policy.json").read_text())
+    assert [m["seed"] for m in meta["ensemble"]] == [0, 1] and meta["training_steps"] == 64
+    merged = LearnedK.load(folder)
+    rng = np.random.default_rng(4)
+    obs = (merged.mean + 0.5 * rng.standard_normal((64, len(FEATURES)))).astype(np.float32)
+    lo, hi = [np.max([m.input_bounds()[i] for m in members], 0) if i == 0 else np.min([m.input_bounds()[i] for m in members], 0)
+              for i in (0, 1)]
+    obs = np.clip(obs, lo, hi)
+    np.testing.assert_allclose(merged.logits(obs), np.mean([m.logits(obs) for m in members], axis=0), atol=1e-4)
+    assert not np.allclose(members[0].logits(obs), members[1].logits(obs))  # two seeds, two policies
+    target, draft, _ = tiny_env_parts
+    prompt = target.encode("reverse a string", chat=True)
+    assert generate(target, draft, merged, prompt, 16).token_ids == generate(target, None, NoSpeculation(), prompt, 16).token_ids
+    kept = (folder / "seeds" / "seed-0" / "policy.json").stat().st_mtime
+    assert train_main(train_args(tiny_model_dirs, tmp_path, 32, "--no-track", "--seeds", "0,1", "--resume")) == 0
+    assert (folder / "seeds" / "seed-0" / "policy.json").stat().st_mtime == kept

@@ -87,3 +87,19 @@ def test_learned_policy_clips_inputs_into_its_trained_range_and_counts_them():
     assert policy.choose_k(far) == policy.choose_k(edge)
     assert np.allclose(policy.logits(far), policy.logits(edge))
     assert (policy.calls, policy.out_of_range) == (3, 1)
+
+
+def test_labels_are_the_same_from_any_number_of_worker_processes():
+    """collect(workers=2) labels the episodes in two processes: the same states and regrets, in the same order, as
+    one process (episodes are seeded by their index), for a rule base and for a fitted policy following itself."""
+    data_traces, c = traces(5), cost()
+    plan = dict(batch_sizes=[1], episodes={1: 5}, max_new_tokens=36, progress=False)
+    one = collect(StaticK(1), data_traces, c, K, None, seed=3, **plan)
+    two = collect(StaticK(1), data_traces, c, K, None, seed=3, workers=2, **plan)
+    for field in ("obs", "regret", "batch"):
+        np.testing.assert_array_equal(getattr(one, field), getattr(two, field))
+    fitted = as_policy(*fit(one, [16], epochs=20), "tanh", K)
+    one = collect(fitted, data_traces, c, K, None, follow=fitted, **plan)
+    two = collect(fitted, data_traces, c, K, None, follow=fitted, workers=2, **plan)
+    np.testing.assert_array_equal(one.obs, two.obs)
+    np.testing.assert_array_equal(one.regret, two.regret)

@@ -253,3 +253,31 @@ def test_cost_jitter_reprices_each_k_per_episode_and_keeps_the_reward_exact():
     assert np.all(off.shape == 1.0)
     with pytest.raises(SpecPilotError, match="cost_jitter"):
         ReplayEnv([trace], cost, k_max=4, cost_jitter=-0.1)
+
+
+def test_replay_evaluate_prices_each_k_by_a_given_cost_shape():
+    """replay_evaluate(shape=...): every step drafting k' tokens costs the profile's price times shape[k'] (a
+    brute-force walk of the trace), plain decoding keeps its price; cost_shape draws such factors, 1 at k = 0."""
+    from decoding.errors import SpecPilotError
+    from env.replay_env import cost_shape, replay_evaluate
+
+    trace, cost = random_trace(random.Random(5), 40), hand_cost()
+    shape = np.array([1.0, 1.5, 0.7, 2.0, 1.1])
+
+    def brute(k: int, factors) -> float:
+        n, i, seconds = len(trace.output_ids), 0, 0.0
+        while i < n:
+            drafted = min(k, n - i - 1, trace.available[i])
+            seconds += cost.step_costs(len(trace.prompt_ids) + i)[0][drafted] * factors[drafted]
+            i += min(drafted, trace.matches[i]) + 1
+        return seconds
+
+    plain = brute(0, np.ones(5))
+    for k in (1, 2, 3, 4):
+        got = replay_evaluate({"s": StaticK(k)}, [trace], cost, 4, shape=shape)["s"]["speedup"]
+        assert got == pytest.approx(plain / brute(k, shape))
+        assert replay_evaluate({"s": StaticK(k)}, [trace], cost, 4)["s"]["speedup"] == pytest.approx(plain / brute(k, np.ones(5)))
+    draws = [cost_shape(np.random.default_rng(s), 4, 0.1) for s in range(3)]
+    assert all(d[0] == 1.0 and len(d) == 5 for d in draws) and not np.allclose(draws[0], draws[1])
+    with pytest.raises(SpecPilotError, match="one factor per k"):
+        replay_evaluate({"s": StaticK(1)}, [trace], cost, 4, shape=np.ones(3))
