@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from decoding.errors import SpecPilotError
 from decoding.learned import LearnedK, pinned_mask
 from decoding.policies import LengthPolicy
 from decoding.prompts import batches_of
-from env.oracle import CostModel, Trace
+from env.oracle import CostModel, Trace, hindsight_q
 from env.replay_env import MachineCondition, ReplayEnv
 
 
@@ -63,14 +64,17 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
             episodes: dict[int, int], max_new_tokens: int, seed: int = 0, progress: bool = True,
             follow: LengthPolicy | None = None, context_lens: list[int] = (),
             conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
-            workers: int = 1) -> Dataset:
+            workers: int = 1, labels: str = "rollout") -> Dataset:
     """Q-regret labels (rollouts of `base`) on the states that `follow` visits (None: the improved policy,
     argmin Q): for each batch size b, `episodes[b]` episodes (one row: every trace once, in order, when
     episodes >= the traces); with `context_lens` (simulated long contexts) the episodes cycle through them,
     and with `conditions` (machine conditions: cost model + counters) through those, every context under each
     (episode j: context j mod C, condition j div C mod N), the counters read off by `hardware_noise`; with
     `cost_jitter` each episode's cost curve is perturbed (ReplayEnv), its rollouts priced under that curve.
-    `workers` processes label the episodes (0 = one per CPU core); the labels are the same for any number."""
+    `workers` processes label the episodes (0 = one per CPU core); the labels are the same for any number.
+    `labels="oracle"`: one-row episodes are labelled with the oracle's hindsight Q* (env.oracle.hindsight_q: k now,
+    then the optimal schedule, which knows what will be accepted; behaviour cloning of the oracle, cost-weighted)
+    instead of rollouts of `base`; batch episodes keep rollouts (the oracle is per sequence)."""
     rng = np.random.default_rng(seed)
     obs, regret, batch = [], [], []
     plan = []
@@ -85,8 +89,10 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
             groups = [[order[i] for i in group] for group in batches_of(len(traces), b)]
             plan += [(b, [int(i) for i in rng.permutation(len(traces))[:b]]) if j >= len(groups) else (b, groups[j])
                      for j in range(n)]
+    if labels not in ("rollout", "oracle"):
+        raise SpecPilotError(f"warm-start labels are 'rollout' or 'oracle', got '{labels}'")
     shared = (base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions, hardware_noise,
-              cost_jitter, seed)
+              cost_jitter, seed, labels)
     tasks = [(j, b, indices) for j, (b, indices) in enumerate(plan)]
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     bar = tqdm(total=len(plan), desc="rollout labels", disable=not progress, file=sys.stderr)
@@ -115,10 +121,10 @@ _WORKER: dict = {}
 
 
 def _start_worker(base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions,
-                  hardware_noise, cost_jitter, seed) -> None:
+                  hardware_noise, cost_jitter, seed, labels) -> None:
     _WORKER.update(base=base, follow=follow, traces=traces, cost=cost, k_max=k_max, hardware=hardware,
                    max_new_tokens=max_new_tokens, context_lens=context_lens, conditions=conditions,
-                   hardware_noise=hardware_noise, cost_jitter=cost_jitter, seed=seed)
+                   hardware_noise=hardware_noise, cost_jitter=cost_jitter, seed=seed, labels=labels)
 
 
 def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
@@ -138,9 +144,16 @@ def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
     if follow is not None:
         follow.reset()
     obs, regret, batch = [], [], []
+    hindsight = None
+    if w["labels"] == "oracle" and b == 1:  # one row: the oracle's Q* from every position, no rollouts
+        row = env.state.rows[0]
+        hindsight = hindsight_q(row.trace, env.cost, k_max, w["max_new_tokens"], row.context_offset, env.shape)
     done = False
     while not done:
-        q = np.array([_rollout_seconds(env, base, k, memo) for k in range(k_max + 1)])
+        if hindsight is not None:
+            q = hindsight[env.state.rows[0].length - env.state.rows[0].prompt_len]
+        else:
+            q = np.array([_rollout_seconds(env, base, k, memo) for k in range(k_max + 1)])
         obs.append(o)
         regret.append((q - q.min()) / env.credit.unit)
         batch.append(b)
@@ -216,7 +229,7 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
                    episodes: dict[int, int], max_new_tokens: int, rounds: int, hidden: list[int], activation: str,
                    epochs: int = 200, seed: int = 0, progress: bool = True, log=None, context_lens: list[int] = (),
                    conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
-                   workers: int = 1):
+                   workers: int = 1, labels: str = "rollout"):
     """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
     under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
     (DAgger: the datasets are pooled) and refits. Returns (layers, normalisation, per-round history)."""
@@ -224,7 +237,8 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
     for r in range(rounds):
         new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
                       progress=progress, follow=None if r == 0 else policy, context_lens=context_lens,
-                      conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter, workers=workers)
+                      conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter, workers=workers,
+                      labels=labels)
         data = new if data is None else merge(data, new)
         layers, norm = fit(data, hidden, activation, epochs, seed=seed + r)
         fitted = as_policy(layers, norm, activation, k_max)

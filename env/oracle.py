@@ -274,6 +274,28 @@ def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None, con
     return float(best[0]), path
 
 
+def hindsight_q(trace: Trace, cost: CostModel, k_max: int, budget: int | None = None, context_offset: int = 0,
+                shape: np.ndarray | None = None) -> np.ndarray:
+    """Q*(i, k), shape (end, k_max + 1): the seconds one row still needs from position i when it asks for k now
+    and decodes optimally after (the oracle's hindsight), as the replay env steps it: k' = min(k, a(i), budget -
+    i - 1) drafted, priced t(k') * shape[k'] at the row's context, min(k', m(i)) + 1 tokens kept, the row ending
+    at end = min(budget, trace length). min_k Q*(0, k) is `oracle_schedule`'s total for the whole trace."""
+    n = len(trace.output_ids)
+    budget = n if budget is None else budget
+    end = min(budget, n)
+    n_prompt = context_offset + len(trace.prompt_ids)
+    factors = np.ones(k_max + 1) if shape is None else np.asarray(shape, dtype=np.float64)[: k_max + 1]
+    q = np.zeros((end, k_max + 1))
+    best = np.zeros(end + 1)
+    for i in range(end - 1, -1, -1):
+        t = cost.step_costs(n_prompt + i)[0]
+        for k in range(k_max + 1):
+            drafted = max(0, min(k, trace.available[i], budget - i - 1))
+            q[i, k] = t[drafted] * factors[drafted] + best[min(end, i + min(drafted, trace.matches[i]) + 1)]
+        best[i] = q[i].min()
+    return q
+
+
 def plain_seconds(trace: Trace, cost: CostModel, context_offset: int = 0) -> float:
     """Plain decoding's time for the trace's output at one row (the oracle's and any replay's baseline)."""
     n_prompt = context_offset + len(trace.prompt_ids)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from agents.improve import as_policy, collect, fit, improve_policy, mean_regret
+from decoding.errors import SpecPilotError
 from decoding.observation import FEATURES
 from decoding.policies import StaticK
-from env.oracle import CostModel, OracleK, Trace
+from env.oracle import CostModel, OracleK, Trace, hindsight_q
 from env.replay_env import replay_evaluate
 
 K = 4
@@ -103,3 +104,32 @@ def test_labels_are_the_same_from_any_number_of_worker_processes():
     two = collect(fitted, data_traces, c, K, None, follow=fitted, workers=2, **plan)
     np.testing.assert_array_equal(one.obs, two.obs)
     np.testing.assert_array_equal(one.regret, two.regret)
+
+
+def test_behaviour_cloning_of_the_oracle_recovers_its_k_where_the_features_decide():
+    """labels="oracle": the one-row states are labelled with the oracle's hindsight regret (no rollouts of the
+    base), on the oracle's own path in round 1; the fitted policy drafts K where the match says the drafts are
+    right and nothing where it says they are wrong, and reaches the oracle's speed."""
+    data_traces, c = traces(), cost()
+    data = collect(StaticK(1), data_traces, c, K, None, [1], {1: len(data_traces)}, 36, progress=False, labels="oracle")
+    assert np.allclose(data.regret.min(1), 0) and (data.regret >= 0).all()
+    # episode 0 (the first trace): the states of the oracle's path, each labelled Q*(i, k) - min_k Q*(i, k) in
+    # plain steps (0.1 s here)
+    q, i, expected = hindsight_q(data_traces[0], c, K, 36), 0, []
+    while i < 36:
+        expected.append((q[i] - q[i].min()) / 0.1)
+        k = int(np.argmin(q[i]))
+        i += min(k, data_traces[0].available[i], data_traces[0].matches[i]) + 1
+    np.testing.assert_allclose(data.regret[: len(expected)], expected, rtol=1e-5, atol=1e-6)
+    match = FEATURES.index("ngram_match_len")
+    # the oracle's labels: K is free of regret where the drafts are right, 0 where they are wrong (the last
+    # positions of a row excepted, where fewer drafts fit)
+    good = data.obs[:, match] >= 3
+    assert (data.regret[good, K] == 0).mean() > 0.9 and (data.regret[~good, 0] == 0).mean() > 0.9
+    policy = as_policy(*fit(data, [32, 32], epochs=150), "tanh", K)
+    for o in data.obs:
+        assert policy.choose_k(o) == (K if o[match] >= 3 else 0)
+    scores = replay_evaluate({"learned": policy, "oracle": OracleK(data_traces, c, K)}, data_traces, c, K, None, 1, 36)
+    assert scores["learned"]["fraction_of_oracle"] == pytest.approx(1.0, abs=0.02)
+    with pytest.raises(SpecPilotError, match="'rollout' or 'oracle'"):
+        collect(StaticK(1), data_traces, c, K, None, [1], {1: 1}, 36, progress=False, labels="dp")

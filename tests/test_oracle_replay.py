@@ -281,3 +281,33 @@ def test_replay_evaluate_prices_each_k_by_a_given_cost_shape():
     assert all(d[0] == 1.0 and len(d) == 5 for d in draws) and not np.allclose(draws[0], draws[1])
     with pytest.raises(SpecPilotError, match="one factor per k"):
         replay_evaluate({"s": StaticK(1)}, [trace], cost, 4, shape=np.ones(3))
+
+
+def test_hindsight_q_is_the_oracle_and_prices_what_the_replay_env_steps():
+    """Q*(i, k): its minimum at position 0 is the oracle's total (and the brute force's); taking k at i and then the
+    oracle's choices, stepped in the replay env, costs exactly Q*(i, k) from there; with a budget shorter than the
+    trace the row ends at the budget."""
+    from env.oracle import hindsight_q, truncate
+
+    rng = random.Random(7)
+    cost = hand_cost()
+    for _ in range(3):
+        trace = random_trace(rng, 7)
+        q = hindsight_q(trace, cost, 4)
+        assert q.shape == (7, 5)
+        assert q[0].min() == pytest.approx(oracle_schedule(trace, cost, 4)[0])
+        assert q[0].min() == pytest.approx(brute_force_schedule(trace, cost, 4))
+    trace = random_trace(rng, 30)
+    q = hindsight_q(trace, cost, 4)
+    env = ReplayEnv([trace], cost, k_max=4, noise=0.0)
+    for start_k in range(5):
+        env.reset(options={"trace_index": 0})
+        done, seconds, first = False, 0.0, True
+        while not done:
+            i = env.state.rows[0].length - env.state.rows[0].prompt_len
+            k = start_k if first else int(np.argmin(q[i]))
+            _, _, done, _, info = env.step(k)
+            seconds, first = seconds + info["seconds"], False
+        assert seconds == pytest.approx(q[0, start_k])
+    short = hindsight_q(trace, cost, 4, budget=12)
+    assert short.shape == (12, 5) and short[0].min() == pytest.approx(oracle_schedule(truncate(trace, 12), cost, 4)[0])
