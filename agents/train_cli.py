@@ -230,14 +230,15 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
     episodes = hp["rollout_episodes"]
     episodes = {int(b): int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes)
                 for b in batch_sizes}
-    print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from {what}",
-          file=sys.stderr)
+    labels = str(hp.get("warm_start_labels") or "rollout")
+    print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from {what}"
+          + (" (one-row states labelled by the oracle's hindsight Q*)" if labels == "oracle" else ""), file=sys.stderr)
     layers, norm, history = improve_policy(
         base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
         list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=seed, progress=cfg.progress,
         log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts, conditions=conditions,
         hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=float(hp.get("replay_cost_jitter") or 0.0),
-        workers=int(hp.get("rollout_workers") or 0), labels=str(hp.get("warm_start_labels") or "rollout"))
+        workers=int(hp.get("rollout_workers") or 0), labels=labels)
     return (layers, norm), history
 
 
