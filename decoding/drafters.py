@@ -126,6 +126,40 @@ def statistics_of_match(context: np.ndarray, start: int, n: int, hits: np.ndarra
     return suffix, min(int(hits.size), MATCH_CAP), agreement
 
 
+class NgramIndex:
+    """The positions of every n-gram (n = min_n..max_n) of one growing token sequence, so that a prompt-lookup
+    search costs a dictionary lookup, not a scan of the whole context: `search()` is `ngram_search` of the tokens
+    given so far (the same start, n and occurrences), `extend` indexes only the tokens added since the last call."""
+
+    def __init__(self, max_n: int, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.tables: dict[int, dict[bytes, list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.tokens = np.empty(0, dtype=np.int64)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def extend(self, tokens: np.ndarray) -> None:
+        """Index `tokens`, which extend the sequence indexed so far (its first `length` tokens are those)."""
+        old, tokens = self.length, np.ascontiguousarray(tokens, dtype=np.int64)
+        new = tokens.shape[0]
+        for n, table in self.tables.items():
+            # an occurrence at p counts once its continuation exists: p + n <= length - 1 (as ngram_search)
+            for p in range(max(0, old - n), new - n):
+                table.setdefault(tokens[p : p + n].tobytes(), []).append(p)
+        self.tokens = tokens
+
+    def search(self) -> tuple[int, int, np.ndarray]:
+        """`ngram_search(tokens, max_n, min_n)` of the indexed tokens."""
+        length = self.length
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            hits = self.tables[n].get(self.tokens[length - n :].tobytes())
+            if hits:
+                return hits[-1] + n, n, np.asarray(hits, dtype=np.int64)
+        return length, 0, np.empty(0, dtype=np.int64)
+
+
 class NgramDrafter:
     """Model-free prompt-lookup drafting: find the most recent earlier occurrence of the context's
     last n tokens (n from `max_n` down to `min_n`) and propose the tokens that followed it."""
@@ -138,15 +172,16 @@ class NgramDrafter:
         self.max_n, self.min_n = max_n, min_n
         self.name = f"ngram:{max_n}"
         self._last: dict[int, tuple] = {}  # row -> (context length, start, n, earlier occurrences, host tokens)
-        # each row's confirmed tokens on the host: the search runs in numpy, and a step copies only the tokens
-        # confirmed since the last one from the device (one small transfer, not one per candidate n)
-        self._host: dict[int, np.ndarray] = {}
+        # each row's confirmed tokens on the host, indexed by n-gram (NgramIndex): a step copies only the tokens
+        # confirmed since the last one from the device (one small transfer) and indexes only those, so a search
+        # costs the same at 100 tokens of context as at 100,000
+        self._index: dict[int, NgramIndex] = {}
 
     def reset(self, prompt: torch.Tensor) -> None:
-        self._last, self._host = {}, {}
+        self._last, self._index = {}, {}
 
     def reset_batch(self, contexts: list[torch.Tensor]) -> None:
-        self._last, self._host = {}, {}
+        self._last, self._index = {}, {}
 
     def rollback(self, length: int) -> None:
         pass
@@ -168,21 +203,22 @@ class NgramDrafter:
         length = context.shape[0]
         last = self._last.get(row) if self._last else None
         if last is None or last[0] != length:
-            host = self._host_copy(context, row)
-            last = self._last[row] = (length, *ngram_search(host, self.max_n, self.min_n), host)
+            index = self._indexed(context, row)
+            last = self._last[row] = (length, *index.search(), index.tokens)
         _, start, n, _, _ = last
         return context[start : start + k], n
 
-    def _host_copy(self, context: torch.Tensor, row: int) -> np.ndarray:
-        """The row's context on the host, extended by what it gained since the last call."""
-        held = self._host.get(row)
+    def _indexed(self, context: torch.Tensor, row: int) -> NgramIndex:
+        """The row's n-gram index, extended by the tokens the context gained since the last call (built anew for a
+        context shorter than the one indexed: another sequence)."""
+        index = self._index.get(row)
         length = context.shape[0]
-        if held is None or held.shape[0] > length:
-            held = context.cpu().numpy()
-        elif held.shape[0] < length:
-            held = np.concatenate([held, context[held.shape[0] :].cpu().numpy()])
-        self._host[row] = held
-        return held
+        if index is None or index.length > length:
+            index = self._index[row] = NgramIndex(self.max_n, self.min_n)
+        if index.length < length:
+            gained = context[index.length :].cpu().numpy()
+            index.extend(gained if not index.length else np.concatenate([index.tokens, gained]))
+        return index
 
     def match_stats(self, context: torch.Tensor, row: int = 0) -> tuple[int, int, float]:
         """How trustworthy the current match is (`match_statistics`), for the observation builder; from the
