@@ -77,7 +77,7 @@ class TrainConfig:
     """Seed of the warm start, of PPO and of the env's prompt choice: one policy (default: the YAML's `seeds`)."""
     seeds: str = ""
     """Comma-separated seeds: one policy per seed (OUT/DEVICE/DRAFT/seeds/seed-N/), merged into one whose logits
-    are their mean (agents/ensemble.py); default: the YAML's `seeds` (CPU: 1,2, the committed policy), else 0."""
+    are their mean (agents/ensemble.py); default: the YAML's `seeds` (CPU: 2,1, the committed policy's recipe), else 0."""
     resume: bool = False
     """Continue a killed run from its last checkpoint in OUT/DEVICE/run/checkpoints."""
     out: str = "policies"
@@ -320,6 +320,8 @@ def train_main(argv: list[str] | None = None) -> int:
         device = resolve(cfg.device)
         device_key, hardware_name, torch_device = device.key, device.name, device.torch
     hp = load_hyperparams(device_key, cfg.hp)
+    seeds = train_seeds(cfg, hp)
+    hp.pop("seeds", None)  # each member records its own seed
     k_max = int(hp["k_max"])
     if cfg.batch_sizes:
         hp["batch_sizes"] = parse_ints(cfg.batch_sizes, "--batch-sizes")
@@ -405,8 +407,6 @@ def train_main(argv: list[str] | None = None) -> int:
     print(f"specpilot: plan (env {mode}): " + (", ".join(plan) or "nothing to train"), file=sys.stderr)
 
     phases = [p for p in phases if p[2] > 0]
-    seeds = train_seeds(cfg, hp)
-    hp.pop("seeds", None)  # each member records its own seed
 
     def train_one(seed: int, member_out: Path) -> tuple[Path, str]:
         """Warm start, PPO phases and export of one seed's policy into `member_out` (its run in member_out/run)."""
