@@ -262,12 +262,7 @@ def train_seeds(cfg: TrainConfig, hp: dict) -> list[int]:
     if cfg.seeds and cfg.seed is not None:
         raise SpecPilotError("pass --seed (one policy) or --seeds (an ensemble), not both")
     if cfg.seeds:
-        try:
-            seeds = [int(x) for x in cfg.seeds.split(",") if x.strip()]
-        except ValueError:
-            seeds = [-1]
-        if not seeds or min(seeds) < 0:
-            raise SpecPilotError(f"--seeds must be comma-separated integers >= 0, got '{cfg.seeds}'")
+        seeds = parse_ints(cfg.seeds, "--seeds", minimum=0)
     elif cfg.seed is not None:
         seeds = [cfg.seed]
     else:

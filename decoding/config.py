@@ -56,14 +56,14 @@ def parse_config(cls, argv=None, description: str | None = None):
     return cls(**vars(namespace))
 
 
-def parse_ints(text: str, flag: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]; anything else (empty, non-integers, values < 1) is a one-line error naming the flag."""
+def parse_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; anything else (empty, non-integers, values < minimum) is a one-line error naming the flag."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise SpecPilotError(f"{flag} must be comma-separated integers, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise SpecPilotError(f"{flag} must list integers >= 1, got '{text}'")
+    if not values or min(values) < minimum:
+        raise SpecPilotError(f"{flag} must list integers >= {minimum}, got '{text}'")
     return values
 
 

@@ -134,21 +134,28 @@ class NgramIndex:
     def __init__(self, max_n: int, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
         self.tables: dict[int, dict[bytes, list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
-        self.tokens = np.empty(0, dtype=np.int64)
+        self._buffer = np.empty(256, dtype=np.int64)  # grown by doubling: appending a step's tokens copies nothing else
+        self.length = 0
 
     @property
-    def length(self) -> int:
-        return int(self.tokens.shape[0])
+    def tokens(self) -> np.ndarray:
+        """The indexed tokens (a view)."""
+        return self._buffer[: self.length]
 
-    def extend(self, tokens: np.ndarray) -> None:
-        """Index `tokens`, which extend the sequence indexed so far (its first `length` tokens are those)."""
-        old, tokens = self.length, np.ascontiguousarray(tokens, dtype=np.int64)
-        new = tokens.shape[0]
+    def extend(self, new_tokens: np.ndarray) -> None:
+        """Append `new_tokens` to the sequence and index the n-grams they complete."""
+        old, new = self.length, self.length + len(new_tokens)
+        if new > self._buffer.shape[0]:
+            grown = np.empty(max(new, 2 * self._buffer.shape[0]), dtype=np.int64)
+            grown[:old] = self._buffer[:old]
+            self._buffer = grown
+        self._buffer[old:new] = new_tokens
+        self.length = new
+        tokens = self._buffer
         for n, table in self.tables.items():
             # an occurrence at p counts once its continuation exists: p + n <= length - 1 (as ngram_search)
             for p in range(max(0, old - n), new - n):
                 table.setdefault(tokens[p : p + n].tobytes(), []).append(p)
-        self.tokens = tokens
 
     def search(self) -> tuple[int, int, np.ndarray]:
         """`ngram_search(tokens, max_n, min_n)` of the indexed tokens."""
@@ -216,8 +223,7 @@ class NgramDrafter:
         if index is None or index.length > length:
             index = self._index[row] = NgramIndex(self.max_n, self.min_n)
         if index.length < length:
-            gained = context[index.length :].cpu().numpy()
-            index.extend(gained if not index.length else np.concatenate([index.tokens, gained]))
+            index.extend(context[index.length :].cpu().numpy())
         return index
 
     def match_stats(self, context: torch.Tensor, row: int = 0) -> tuple[int, int, float]:

@@ -98,8 +98,8 @@ class LearnedK(LengthPolicy):
     def _prepare_layers(self) -> None:
         """The layers the decisions run: float32, as trained (the input normalised in float64 first, as SB3's
         VecNormalize does, then cast), and a pinned feature's clip bounds set to its training mean, so one
-        clip of the raw input does all the input handling. Faster than float64 layers: `decision_seconds` (printed
-        by train_policy.py and agents.ensemble) of a [128, 128] policy on the 2-core CPU fell from 46-48 us to 21-44 us."""
+        clip of the raw input does all the input handling (float32 layers are faster: `decision_seconds`, printed
+        by train_policy.py and agents.ensemble)."""
         self._run = [(np.ascontiguousarray(w.astype(np.float32)), b.astype(np.float32)) for w, b in self.layers]
         self._read = ~self._still
         self._read_weight = self._read.astype(np.float64)

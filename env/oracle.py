@@ -250,28 +250,16 @@ class CostModel:
 
 def oracle_schedule(trace: Trace, cost: CostModel, k_max: int | None = None, context_offset: int = 0) -> tuple[float, list[int]]:
     """(minimum total seconds, k chosen at each position of the optimal path); `context_offset` simulated
-    tokens sit before the prompt (the replay env's `context_len`)."""
+    tokens sit before the prompt (the replay env's `context_len`). The DP is `hindsight_q`'s."""
     k_max = min(k_max if k_max is not None else trace.k_max, cost.k_max, trace.k_max)
     n = len(trace.output_ids)
-    n_prompt = len(trace.prompt_ids)
-    best = np.zeros(n + 1)
-    choice = np.zeros(n, dtype=np.int64)
-    for i in range(n - 1, -1, -1):
-        t = cost.step_costs(context_offset + n_prompt + i)[0]
-        top = min(k_max, n - i - 1)
-        best_value, best_k = np.inf, 0
-        for k in range(top + 1):
-            drafted = min(k, trace.available[i])
-            value = t[drafted] + best[i + min(drafted, trace.matches[i]) + 1]
-            if value < best_value - 1e-15:
-                best_value, best_k = value, k
-        best[i], choice[i] = best_value, best_k
+    q = hindsight_q(trace, cost, k_max, context_offset=context_offset)
     path, i = [], 0
     while i < n:
-        k = int(choice[i])
+        k = int(np.argmin(q[i]))
         path.append(k)
         i += min(min(k, trace.available[i]), trace.matches[i]) + 1
-    return float(best[0]), path
+    return (float(q[0].min()) if n else 0.0), path
 
 
 def hindsight_q(trace: Trace, cost: CostModel, k_max: int, budget: int | None = None, context_offset: int = 0,

@@ -12,12 +12,13 @@ from decoding.drafters import NgramDrafter, NgramIndex, match_statistics, ngram_
 def test_index_search_equals_the_full_scan_as_the_sequence_grows():
     rng = np.random.default_rng(0)
     for max_n, min_n, vocab in ((3, 1, 6), (4, 2, 3), (1, 1, 5)):
-        tokens = rng.integers(0, vocab, 300)
+        tokens = rng.integers(0, vocab, 700)  # past the buffer's first doubling
         index = NgramIndex(max_n, min_n)
         length = 0
         while length < len(tokens):
-            length = min(len(tokens), length + int(rng.integers(1, 6)))  # a step confirms 1-5 tokens
-            index.extend(tokens[:length])
+            before, length = length, min(len(tokens), length + int(rng.integers(1, 6)))  # a step confirms 1-5 tokens
+            index.extend(tokens[before:length])
+            assert np.array_equal(index.tokens, tokens[:length])
             start, n, hits = index.search()
             want = ngram_search(tokens[:length], max_n, min_n)
             assert (start, n) == want[:2] and np.array_equal(hits, want[2]), length
@@ -55,3 +56,21 @@ def test_search_cost_does_not_grow_with_the_context():
 
     short, long = min(step_seconds(1000) for _ in range(3)), min(step_seconds(20_000) for _ in range(3))
     assert long < 3 * short + 20e-6, (short, long)
+
+
+def test_lookup_cost_command_writes_a_row_per_context_length(tmp_path, capsys):
+    import json
+
+    from bench.lookup_cost import lookup_cost_main
+    from decoding.config import run_cli
+    from env.oracle import Trace
+
+    trace = Trace("q", "c", list(range(40)), [1, 2, 3] * 20, [0] * 60, [0] * 60, k_max=8, ngram_n=3)
+    path = tmp_path / "traces.json"
+    path.write_text(json.dumps({"meta": {"draft": "ngram:3"}, "traces": [trace.__dict__]}))
+    args = ["--traces", str(path), "--context-lens", "50,300", "--steps", "3", "--repeats", "1", "--out", str(tmp_path)]
+    assert lookup_cost_main(args) == 0
+    rows = json.loads((tmp_path / "lookup_cost.json").read_text())["rows"]
+    assert [r["context"] for r in rows] == [50, 300] and all(r["indexed_us"] > 0 and r["scan_us"] > 0 for r in rows)
+    assert "full scan us" in capsys.readouterr().out
+    assert run_cli(lookup_cost_main, args + ["--draft", "default"]) == 2

@@ -661,8 +661,10 @@ def test_seeds_resolve_from_flags_then_yaml():
         train_seeds(TrainConfig(seed=1, seeds="1,2"), {})
     with pytest.raises(SpecPilotError, match="repeats a seed"):
         train_seeds(TrainConfig(seeds="1,1"), {})
-    with pytest.raises(SpecPilotError, match="integers >= 0"):
+    with pytest.raises(SpecPilotError, match="comma-separated integers"):
         train_seeds(TrainConfig(seeds="1,x"), {})
+    with pytest.raises(SpecPilotError, match="integers >= 0"):
+        train_seeds(TrainConfig(seeds="1,-2"), {})
 
 
 def test_seeds_train_one_policy_each_and_export_their_mean(tiny_model_dirs, tmp_path, tiny_env_parts):
