@@ -34,7 +34,7 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        help_text = docs.get(f.name, "")
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %: "55%" would crash --help
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kind = hints[f.name]
         args = typing.get_args(kind)

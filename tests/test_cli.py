@@ -112,3 +112,13 @@ def test_help_lists_every_flag():
                  "--temperature", "--top-k", "--top-p", "--seed", "--json"]:
         assert flag in proc.stdout
     assert "Draft-length policy" in proc.stdout
+
+
+def test_every_script_prints_its_help():
+    """--help of every command exits 0 (a '%' in a field's docstring once crashed profile_device.py's)."""
+    failed = {}
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0 or "usage:" not in proc.stdout:
+            failed[script.name] = proc.stderr.strip().splitlines()[-1:] or proc.stdout[:200]
+    assert not failed, failed
