@@ -66,7 +66,8 @@ class BenchmarkConfig:
     prompts: str | None = None
     """Prompt JSONL file (default: the project's set)."""
     split: str = "test"
-    """Which split of the prompt file: train | test | ood (styles unlike the train split, never tuned on) | all."""
+    """Which split of the prompt file: train | test | ood (styles unlike the train split, never tuned on) | outside
+    (the six kinds of the outside check, written after ood was looked at; never tuned on or chosen by) | all."""
     per_category: int = 0
     """Use at most this many prompts per category (0 = all)."""
     repeats: int = 1

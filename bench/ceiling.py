@@ -4,7 +4,7 @@ At one row on the CPU the choice is nearly binary (a verify pass of any k >= 1 c
 so a policy is as good as its estimate of how many drafted tokens the target will keep. This fits that
 estimate directly, P(m >= j | inputs) for j = 1..k_max (an MLP, train split), over what a policy could know
 before the step, and then drafts the k maximising E[tokens] - lam * step cost / plain step cost (lam, the price
-of time in plain steps, tuned on the train split); it replays that on the test and ood traces against the rule
+of time in plain steps, tuned on the train split); it replays that on the test, ood and outside traces against the rule
 `match:N:K` and the oracle. A learned k controller with these inputs cannot beat this by much: it is the
 throughput-optimal use of a calibrated acceptance estimate.
 
@@ -228,7 +228,7 @@ def ceiling_main(argv: list[str] | None = None) -> int:
     traces, meta = load_traces(cfg.traces or traces_path(cfg.draft))
     splits = meta.get("splits") or {}
     by_split = {s: [truncate(t, cfg.max_new_tokens) for t in traces if splits.get(t.question_id) == s]
-                for s in ("train", "test", "ood")}
+                for s in ("train", "test", "ood", "outside")}
     if not by_split["train"]:
         raise SpecPilotError("the traces record no train split to fit on")
     everything = [t for ts in by_split.values() for t in ts]
@@ -252,15 +252,15 @@ def ceiling_main(argv: list[str] | None = None) -> int:
                     key=lambda r: speedup(by_split["train"], cost, lambda t, i, s, tab: r[1] if t.match_lens[i] >= r[0] else 0))
     print(f"one row, {cfg.device} cost profile, {cfg.draft} traces, {cfg.max_new_tokens} tokens, inputs "
           f"{','.join(families)}; lam = {lam} and match:{best_rule[0]}:{best_rule[1]} tuned on the train split")
-    print(f"{'split':<6}{'match rule':>12}{'predictive':>12}{'oracle':>9}")
-    for split in ("train", "test", "ood"):
+    print(f"{'split':<8}{'match rule':>12}{'predictive':>12}{'oracle':>9}")
+    for split in ("train", "test", "ood", "outside"):
         ts = by_split[split]
         if not ts:
             continue
         rule = speedup(ts, cost, lambda t, i, s, tab: best_rule[1] if t.match_lens[i] >= best_rule[0] else 0)
         pred = speedup(ts, cost, predictive_policy(predict, featurize, lam))
         oracle = sum(plain_seconds(t, cost) for t in ts) / sum(oracle_schedule(t, cost, k_max)[0] for t in ts)
-        print(f"{split:<6}{rule:>11.3f}x{pred:>11.3f}x{oracle:>8.3f}x")
+        print(f"{split:<8}{rule:>11.3f}x{pred:>11.3f}x{oracle:>8.3f}x")
     return 0
 
 

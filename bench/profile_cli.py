@@ -59,7 +59,7 @@ class ProfileConfig:
     prompts: str | None = None
     """Prompt JSONL for the traces (default: the project's set, all splits)."""
     trace_split: str = "all"
-    """Which split's prompts to trace: all | train | test | ood. Traces recorded now replace those of the same
+    """Which split's prompts to trace: all | train | test | ood | outside. Traces recorded now replace those of the same
     prompts in an existing traces file of the same draft, budget and k_max; the others are kept."""
     max_new_tokens: int = 64
     """Tokens per traced prompt."""

@@ -1,7 +1,7 @@
 """The tune command: `python scripts/tune_rules.py --device cpu --draft ngram` tunes every engine's k rule
 on the train split (a small grid on the noise-free replay env) and writes the best parameters per batch
 size where the benchmark reads them (`policies/<device>/<draft>/rules.json`: policies `best-rule` and
-`rule:FAMILY`). Nothing is tuned on the test or ood split."""
+`rule:FAMILY`). Nothing is tuned on the test, ood or outside split."""
 from __future__ import annotations
 
 import json

@@ -10,6 +10,10 @@ instead, so no passage is shared):
 - long_document_qa: answer questions about a document of numbered sections;
 - retrieval_qa: several retrieved passages with their sources, then a question about one of them;
 - long_multi_turn: a long conversation about library documentation, then a new request.
+Since issue 14's eighth stop also 8 `passage_translation` prompts (a 1,500-4,000 character passage to translate
+into another language; drawn with their own random stream, so the prompts above are unchanged): until then the
+train split's translations were a sentence or two, and the committed policy drafted half as much as the rule
+on the ood split's passage translations.
 """
 import importlib
 import inspect
@@ -102,11 +106,22 @@ def multi_turn(rng, pool) -> list[str]:
     return out
 
 
+def passage_translation(rng, pool) -> list[str]:
+    languages = ["French", "Spanish", "German", "Italian", "Swedish", "Polish", "Portuguese", "Czech"]
+    out = []
+    for i, language in enumerate(languages):
+        parts = _draw(rng, pool, 1500 + 350 * i)
+        out.append(f"Translate the following text into {language}. Keep names of modules and functions as they "
+                   "are.\n\n" + "\n\n".join(p for _, p in parts))
+    return out
+
+
 def main() -> None:
     rng = random.Random(SEED)
     pool = named_paragraphs()
     kinds = {"long_summarization": summarization(rng, pool), "long_document_qa": document_qa(rng, pool),
-             "retrieval_qa": retrieval_qa(rng, pool), "long_multi_turn": multi_turn(rng, pool)}
+             "retrieval_qa": retrieval_qa(rng, pool), "long_multi_turn": multi_turn(rng, pool),
+             "passage_translation": passage_translation(random.Random(SEED + 1), pool)}
     ours = set(kinds)
     kept = [line for line in OUT.read_text().splitlines()
             if line.strip() and not (json.loads(line).get("category") in ours
@@ -116,7 +131,7 @@ def main() -> None:
     synth = [json.dumps({"question_id": f"synth_{p.question_id}", "category": f"synth_{p.category}", "split": "train",
                          "turns": [p.text]}) for p in synthetic_prompts(SYNTHETIC, seed=SEED)]
     OUT.write_text("\n".join(kept + new + synth) + "\n")
-    print(f"{OUT}: {len(kept)} prompts kept, {len(new)} long-context and {len(synth)} synthetic train prompts written")
+    print(f"{OUT}: {len(kept)} prompts kept, {len(new)} long-context / passage and {len(synth)} synthetic train prompts written")
 
 
 if __name__ == "__main__":
