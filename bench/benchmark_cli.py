@@ -186,16 +186,19 @@ def _command(argv: list[str] | None) -> str:
 
 
 def _range_report(policies: dict) -> dict:
-    """{name: {"calls", "out_of_range", "non_finite"}} of the learned policies: decisions whose input was
-    clipped into the trained range (policies that record it) or was not finite (k = 0 taken instead)."""
-    return {n: {"calls": p.calls, "out_of_range": p.out_of_range, "non_finite": p.non_finite}
+    """{name: {"calls", "out_of_range", "non_finite", "clipped"}} of the learned policies: decisions whose input
+    was clipped into the trained range (policies that record it; "clipped": how often, per feature) or was not
+    finite (k = 0 taken instead)."""
+    return {n: {"calls": p.calls, "out_of_range": p.out_of_range, "non_finite": p.non_finite,
+                "clipped": p.clipped_features()}
             for n, p in policies.items() if hasattr(p, "non_finite") and p.calls}
 
 
 def _print_range_report(report: dict) -> None:
     for name, row in report.items():
+        which = ", ".join(f"{f} {c}" for f, c in list(row["clipped"].items())[:3])
         print(f"{name}: {row['out_of_range']} of {row['calls']} decisions saw a feature outside its trained range "
-              f"(clipped into it); {row['non_finite']} saw a non-finite one (k = 0 instead)")
+              f"(clipped into it{': ' + which if which else ''}); {row['non_finite']} saw a non-finite one (k = 0 instead)")
 
 
 def _policy_sources(policies: dict) -> dict:

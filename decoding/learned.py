@@ -80,6 +80,8 @@ class LearnedK(LengthPolicy):
         if self.low is not None:
             self.low[still], self.high[still] = -np.inf, np.inf
         self.calls = self.out_of_range = self.non_finite = 0
+        self.clipped_by_feature = np.zeros(len(self.features), dtype=np.int64)
+        """Per feature, the decisions in which that input was clipped (see `clipped_features`)."""
         self.strict = False
         """Raise on a non-finite observation instead of falling back to k = 0 (the tests set it)."""
         self._still = still
@@ -231,7 +233,14 @@ class LearnedK(LengthPolicy):
                 moved = float(np.abs(clipped - x) @ self._read_weight)
             if self.low is not None and moved > 0.0:
                 self.out_of_range += 1
+                self.clipped_by_feature += (clipped != x) & ~self._still
         return self.action_to_k[int(np.argmax(self._forward(clipped)))]
+
+    def clipped_features(self) -> dict[str, int]:
+        """{feature: decisions in which it was clipped into the trained range}, most often clipped first (the
+        features behind `out_of_range`: an unseen context length reads as the longest trained one)."""
+        order = np.argsort(-self.clipped_by_feature, kind="stable")
+        return {self.features[i]: int(self.clipped_by_feature[i]) for i in order if self.clipped_by_feature[i]}
 
     def decision_seconds(self, calls: int = 2000) -> float:
         """Mean seconds of one choose_k on a typical (training-mean) observation."""

@@ -88,6 +88,12 @@ def test_learned_policy_clips_inputs_into_its_trained_range_and_counts_them():
     assert policy.choose_k(far) == policy.choose_k(edge)
     assert np.allclose(policy.logits(far), policy.logits(edge))
     assert (policy.calls, policy.out_of_range) == (3, 1)
+    assert policy.clipped_features() == {"context_len_log": 1}  # which input was clipped, and nothing else
+    below = inside.copy()
+    below[context] = norm["low"][context] - 1.0
+    below[FEATURES.index("remaining_frac")] = norm["high"][FEATURES.index("remaining_frac")] + 1.0
+    policy.choose_k(below)
+    assert policy.clipped_features() == {"context_len_log": 2, "remaining_frac": 1}
 
 
 def test_labels_are_the_same_from_any_number_of_worker_processes():
