@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from tqdm import tqdm
 
 from decoding.errors import SpecPilotError
 from decoding.loop import generate
+from decoding.paths import atomic_write_text
 from decoding.policies import LengthPolicy
 from decoding.prompts import Prompt, batches_of
 from decoding.sampling import Sampling
@@ -65,11 +68,18 @@ def run_batch_benchmark(
     chat: bool = True,
     progress: bool = True,
     loads: list[str] = ("none",),
+    checkpoint: str | Path | None = None,
+    resume: bool = False,
 ) -> list[BatchRun]:
     """Every policy on the same batches of prompts at each batch size (B prompts decoded together),
     interleaved: the policy order rotates from one batch to the next, so slow drift hits all alike.
     With `loads` (env/load.py), each repeat runs the whole plan under each background load in turn (the
-    order rotating from one repeat to the next), the load started before its pass and stopped after it."""
+    order rotating from one repeat to the next), the load started before its pass and stopped after it.
+
+    With `checkpoint` (a JSONL file), every batch's runs (all policies of it, so the pairs stay together) are
+    appended as they finish; with `resume` too, the batches already in the file are taken from it and not
+    run again (the file must come from the same plan: policies, prompts, sizes, budget, repeats, loads,
+    sampling, models). A learned policy's input counters cover the batches run in this process only."""
     from env.load import LOADS, background_load
 
     if "none" not in policies:
@@ -82,22 +92,69 @@ def run_batch_benchmark(
     plan = [(b, i, idx) for b in batch_sizes for i, idx in enumerate(batches_of(len(prompts), b))]
     # warm-up: the first forward passes of a process are slow (allocator, kernels)
     generate(target, draft, policies[names[-1]], [encoded[x] for x in plan[-1][2]], 8, sampling)
+    signature = {"policies": names, "prompts": [p.question_id for p in prompts], "batch_sizes": list(batch_sizes),
+                 "max_new_tokens": max_new_tokens, "repeats": repeats, "loads": loads, "sampling": asdict(sampling),
+                 "chat": chat, "target": getattr(target, "name", None), "draft": getattr(draft, "name", None)}
+    done = _open_checkpoint(Path(checkpoint), signature, resume) if checkpoint else {}
     runs: list[BatchRun] = []
     desc = "benchmark" if batch_sizes == [1] else "batch benchmark"
     bar = tqdm(total=repeats * len(loads) * len(plan) * len(names), desc=desc, disable=not progress, file=sys.stderr)
     for r in range(repeats):
         for load in loads[r % len(loads):] + loads[: r % len(loads)]:
+            groups = {j: done[(r, load, j)] for j in range(len(plan)) if (r, load, j) in done}
+            bar.update(len(groups) * len(names))
             if len(loads) > 1:
                 bar.set_postfix_str(f"load {load}")
-            with background_load(load):
+            with background_load(load) if len(groups) < len(plan) else nullcontext():
                 for j, (b, i, idx) in enumerate(plan):
+                    if j in groups:
+                        continue
                     shift = (r + j) % len(names)
+                    groups[j] = []
                     for name in names[shift:] + names[:shift]:
-                        runs.append(_run_one(target, draft, policies[name], name, prompts, encoded, b, i, idx, r,
-                                             max_new_tokens, sampling, load))
+                        groups[j].append(_run_one(target, draft, policies[name], name, prompts, encoded, b, i, idx, r,
+                                                  max_new_tokens, sampling, load))
                         bar.update()
+                    if checkpoint:
+                        _append_checkpoint(Path(checkpoint), r, load, j, groups[j])
+            runs += [run for j in range(len(plan)) for run in groups[j]]
     bar.close()
     return runs
+
+
+def _open_checkpoint(path: Path, signature: dict, resume: bool) -> dict:
+    """{(repeat, load, batch number): its runs} from an existing checkpoint when resuming (a torn last line,
+    left by a kill mid-write, is dropped); otherwise a fresh file holding the plan's signature."""
+    if resume and path.exists():
+        lines = path.read_text().splitlines()
+        try:
+            head = json.loads(lines[0]) if lines else {}
+        except json.JSONDecodeError:
+            head = {}
+        if head.get("signature") != json.loads(json.dumps(signature)):
+            raise SpecPilotError(f"--resume: {path} is from another benchmark (other policies, prompts or settings); "
+                                 "run the same command, or delete it to start over")
+        done = {}
+        for n, line in enumerate(lines[1:], 2):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if n == len(lines):
+                    break
+                raise SpecPilotError(f"--resume: {path} line {n} is not JSON; delete the file to start over") from None
+            done[(row["repeat"], row["load"], row["batch"])] = [BatchRun(**x) for x in row["runs"]]
+        return done
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"signature": signature}) + "\n")
+    return {}
+
+
+def _append_checkpoint(path: Path, r: int, load: str, j: int, group: list[BatchRun]) -> None:
+    """One finished batch (every policy's run of it) as one line, flushed to disk before the next starts."""
+    with path.open("a") as f:
+        f.write(json.dumps({"repeat": r, "load": load, "batch": j, "runs": [asdict(x) for x in group]}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _run_one(target, draft, policy, name, prompts, encoded, b, i, idx, r, max_new_tokens, sampling, load) -> BatchRun:
@@ -200,8 +257,7 @@ def write_results(out_dir: str | Path, runs: list, summary: dict, meta: dict, na
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
-    path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
-    return path
+    return atomic_write_text(path, json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
 
 
 def markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> str:

@@ -120,6 +120,10 @@ class BenchmarkConfig:
     versus: str | None = None
     """Also compare every policy with this one (e.g. best-rule): their tokens/s ratio paired within each repeat,
     with an interval, in the printout and the report (bench/paired_cli.py)."""
+    resume: bool = False
+    """Continue an interrupted real-loop run: each finished batch is kept in OUT/checkpoint.jsonl as it ends, and
+    with --resume those batches are not run again (the same command is required; the file goes once the
+    results are written)."""
     background_load: str = "none"
     """Comma-separated background loads to run every policy under, e.g. none,compute,memory (env/load.py:
     compute = one core of matrix multiplies, memory = a stream of large copies, both): each repeat runs the
@@ -185,6 +189,11 @@ def _command(argv: list[str] | None) -> str:
     return "python scripts/benchmark.py " + " ".join(sys.argv[1:]) if argv is None else f"benchmark_main({argv!r})"
 
 
+def _checkpoint(cfg) -> Path:
+    """Where the real loop keeps its finished batches (bench.benchmark.run_batch_benchmark)."""
+    return Path(cfg.out) / "checkpoint.jsonl"
+
+
 def _range_report(policies: dict) -> dict:
     """{name: {"calls", "out_of_range", "non_finite", "clipped"}} of the learned policies: decisions whose input
     was clipped into the trained range (policies that record it; "clipped": how often, per feature) or was not
@@ -228,6 +237,7 @@ def _save(cfg, argv, runs, summary: dict, meta: dict, prefix: str, plot, markdow
     plot(png)
     if cfg.report:
         write_report(cfg.report, png, meta, summary, lambda plot_name: markdown(summary, meta, plot_name, _command(argv)))
+    _checkpoint(cfg).unlink(missing_ok=True)  # everything it held is in the results now
     return path
 
 
@@ -244,7 +254,7 @@ def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
                      loads: list[str]) -> int:
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [1]
     runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
-                               cfg.chat, cfg.progress, loads)
+                               cfg.chat, cfg.progress, loads, _checkpoint(cfg), cfg.resume)
     summary = summarize_loads(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
@@ -264,7 +274,7 @@ def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
 def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, device_key, hardware_name, argv) -> int:
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
     runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
-                               cfg.chat, cfg.progress)
+                               cfg.chat, cfg.progress, checkpoint=_checkpoint(cfg), resume=cfg.resume)
     summary = summarize_batches(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
@@ -421,7 +431,8 @@ def benchmark_main(argv: list[str] | None = None) -> int:
         return _loads_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv, loads)
     if cfg.batch_sizes:
         return _batch_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv)
-    runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress)
+    runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress,
+                         checkpoint=_checkpoint(cfg), resume=cfg.resume)
     summary = summarize(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,

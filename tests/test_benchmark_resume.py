@@ -1,0 +1,73 @@
+"""An interrupted real-loop benchmark resumes from its checkpoint: the finished batches are not run again, the
+result is the uninterrupted run's, a torn last line is dropped and a checkpoint of another plan is refused."""
+import json
+
+import pytest
+
+import bench.benchmark as benchmark
+from bench.benchmark import run_batch_benchmark
+from bench.benchmark_cli import benchmark_main
+from decoding.config import run_cli
+from decoding.drafters import NgramDrafter
+from decoding.errors import SpecPilotError
+from decoding.policies import StaticK
+from decoding.prompts import Prompt
+
+PROMPTS = [Prompt("p0", "c", "Count from one to ten: one, two, three,"), Prompt("p1", "c", "Repeat after me: red blue red blue")]
+
+
+def _plan(target, checkpoint, resume=False, tokens=6):
+    policies = {"none": StaticK(0), "static:2": StaticK(2)}
+    return run_batch_benchmark(target, NgramDrafter(3), policies, PROMPTS, [1, 2], tokens, 2, progress=False,
+                               checkpoint=checkpoint, resume=resume)
+
+
+def _by_key(runs):
+    return {(r.policy, r.batch_size, r.batch_index, r.repeat): r.token_ids for r in runs}
+
+
+def test_an_interrupted_benchmark_resumes_where_it_stopped(embedded_target, tmp_path, monkeypatch):
+    full = _by_key(_plan(embedded_target, tmp_path / "full.jsonl"))
+    assert len(full) == 12  # 2 repeats x (2 batches of one + 1 of two) x 2 policies
+
+    path = tmp_path / "ck.jsonl"
+    real_run_one, calls = benchmark._run_one, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[3])
+        if len(calls) == 5:  # the third batch's first policy: two batches (4 runs) are done
+            raise KeyboardInterrupt
+        return real_run_one(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "_run_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _plan(embedded_target, path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and "signature" in json.loads(lines[0])
+    with path.open("a") as f:
+        f.write('{"repeat": 0, "load": "none", "bat')  # a kill in the middle of a write
+
+    calls.clear()
+    monkeypatch.setattr(benchmark, "_run_one", lambda *a, **k: (calls.append(a[3]), real_run_one(*a, **k))[1])
+    resumed = _plan(embedded_target, path, resume=True)
+    assert len(calls) == 8  # only the 8 runs of the 4 unfinished batches
+    assert _by_key(resumed) == full  # the same runs, the same tokens
+
+    with pytest.raises(SpecPilotError, match="from another benchmark"):
+        _plan(embedded_target, path, resume=True, tokens=5)
+
+
+def test_the_command_resumes_and_removes_its_checkpoint_when_done(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": "test",
+                                           "turns": [p.text]}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--draft", "ngram", "--prompts", str(prompts), "--policies", "none,static:1",
+            "--max-new-tokens", "4", "--out", str(out), "--no-progress", "--resume"]
+    out.mkdir()
+    (out / "checkpoint.jsonl").write_text(json.dumps({"signature": {"policies": ["other"]}}) + "\n")
+    assert run_cli(benchmark_main, args) == 2
+    assert "from another benchmark" in capsys.readouterr().err
+    (out / "checkpoint.jsonl").unlink()
+    assert run_cli(benchmark_main, args) == 0  # nothing to resume: runs everything
+    assert (out / "results.json").exists() and not (out / "checkpoint.jsonl").exists()
