@@ -1,0 +1,142 @@
+"""Which training recipe holds on train prompts it never saw: `python -m agents.cross_fit` (about 90 minutes on
+2 CPU cores for two recipes, four folds, two seeds).
+
+Selecting a policy by its speed on its own training prompts rewards what it memorised (issue 14, eighth stop:
+the in-sample rule and three held-out splits disagreed). This splits the train split into folds (every
+`folds`-th prompt of each category), trains each recipe's warm start (the device's YAML block: rounds, net,
+passes, episodes; each seed, then the mean of their logits, as `train_policy.py` does) on all folds but one and
+scores it with the replay on the one left out, beside the best tuned rule, at every batch size; the folds'
+scores are averaged, so every train prompt is scored once by a policy that never saw it. A recipe is the train
+split minus the categories it drops (`all`, or `-CAT[+CAT...]`). The test, ood and outside splits are not
+touched. Prints per recipe learned / best-rule at each batch size and their minimum (the selection rule), and
+writes the same as JSON."""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+from bench.tune_cli import rules_policy
+from decoding.config import parse_config, parse_ints, run_cli
+from decoding.errors import SpecPilotError
+from decoding.paths import POLICIES, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
+from env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
+from env.replay_env import replay_evaluate
+
+from .ensemble import merge
+from .improve import as_policy, improve_policy
+from .ppo import load_hyperparams
+
+
+@dataclass
+class CrossFitConfig:
+    """Score training recipes on held-out folds of the train split (replay, every batch size)."""
+
+    device: str = "cpu"
+    """Device whose cost profile, traces, tuned rules and YAML block are used."""
+    draft: str = "ngram:3"
+    """Draft of the traces and rules."""
+    recipes: str = "all,-passage_translation"
+    """Comma-separated recipes: `all` (every train prompt) or `-CAT[+CAT...]` (without these categories)."""
+    folds: int = 4
+    """Folds of the train split (every folds-th prompt of each category is in one fold)."""
+    seeds: str = "2,1"
+    """Seeds trained per fold and recipe; their mean is the fold's policy."""
+    batch_sizes: str = "1,2,4,8,16"
+    """Batch sizes scored (and trained)."""
+    max_new_tokens: int = 48
+    """Tokens per row."""
+    out: str = "runs/cross_fit.json"
+    """JSON written with every fold's and recipe's scores."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+def fold_of(traces) -> dict[str, int]:
+    """{question id: fold number}: the i-th trace of each category (in file order) goes to fold i mod folds."""
+    seen: dict[str, int] = defaultdict(int)
+    out = {}
+    for t in traces:
+        out[t.question_id] = seen[t.category]
+        seen[t.category] += 1
+    return out
+
+
+def recipe_filter(recipe: str):
+    """`all` -> keep everything; `-a+b` -> drop categories a and b."""
+    if recipe == "all":
+        return lambda t: True
+    if not recipe.startswith("-") or not recipe[1:]:
+        raise SpecPilotError(f"--recipes takes `all` or `-CAT[+CAT...]`, got '{recipe}'")
+    dropped = set(recipe[1:].split("+"))
+    return lambda t: t.category not in dropped
+
+
+def cross_fit(traces, recipes: list[str], folds: int, train_fold, score, batch_sizes: list[int]) -> dict:
+    """{recipe: {"folds": [{batch size: (learned, rule)}...], "ratio": {b: mean learned / rule}, "min": ...}}.
+    `train_fold(fit_traces) -> policy` trains one recipe's policy; `score(policy, traces, b) -> (learned, rule)`
+    replays it beside the rule on the held-out fold."""
+    where = fold_of(traces)
+    results = {}
+    for recipe in recipes:
+        keep = recipe_filter(recipe)
+        rows = []
+        for f in range(folds):
+            held = [t for t in traces if where[t.question_id] % folds == f]
+            fit_on = [t for t in traces if where[t.question_id] % folds != f and keep(t)]
+            if not held or not fit_on:
+                raise SpecPilotError(f"fold {f} of recipe '{recipe}' has nothing to {'score' if not held else 'train'} on")
+            policy = train_fold(fit_on)
+            rows.append({b: score(policy, held, b) for b in batch_sizes})
+        ratio = {b: sum(r[b][0] / r[b][1] for r in rows) / folds for b in batch_sizes}
+        results[recipe] = {"folds": rows, "ratio": ratio, "min": min(ratio.values())}
+    return results
+
+
+def cross_fit_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(CrossFitConfig, argv)
+    if cfg.folds < 2:
+        raise SpecPilotError(f"--folds must be >= 2, got {cfg.folds}")
+    sizes, seeds = parse_ints(cfg.batch_sizes, "--batch-sizes"), parse_ints(cfg.seeds, "--seeds", minimum=0)
+    recipes = [r.strip() for r in cfg.recipes.split(",") if r.strip()]
+    for r in recipes:
+        recipe_filter(r)
+    hp = load_hyperparams(cfg.device)
+    profile = load_profile(profile_path(cfg.device, cfg.draft))
+    cost, hardware = CostModel.from_profile(profile), profile_hardware(profile)
+    traces, meta = load_traces(traces_path(cfg.draft))
+    train = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
+    k_max = int(hp["k_max"])
+    rules = read_json_file(policy_dir(cfg.device, cfg.draft, POLICIES) / "rules.json", "tuned rules", keys=("best_rule",))
+    rule = rules_policy(rules["best_rule"], profile, train, k_max, cfg.draft)
+    episodes = hp["rollout_episodes"]
+
+    def train_fold(fit_on):
+        per_b = {b: min(len(fit_on), int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes))
+                 for b in sizes}
+        members = []
+        for seed in seeds:
+            layers, norm, _ = improve_policy(rule, fit_on, cost, k_max, hardware, sizes, per_b, cfg.max_new_tokens,
+                                             int(hp["rollout_rounds"]), list(hp["net_arch"]), str(hp["activation"]),
+                                             int(hp["rollout_epochs"]), seed=seed, progress=cfg.progress,
+                                             workers=int(hp.get("rollout_workers") or 0))
+            members.append(as_policy(layers, norm, str(hp["activation"]), k_max))
+        return members[0] if len(members) == 1 else as_policy(*merge(members), str(hp["activation"]), k_max)
+
+    def score(policy, held, b):
+        got = replay_evaluate({"learned": policy, "rule": rule}, held, cost, k_max, hardware, b, cfg.max_new_tokens)
+        return got["learned"]["speedup"], got["rule"]["speedup"]
+
+    results = cross_fit(train, recipes, cfg.folds, train_fold, score, sizes)
+    print(f"{len(train)} train prompts in {cfg.folds} folds, each scored by policies that never saw it; learned / best-rule")
+    print(f"{'recipe':<28}" + "".join(f"{'B=' + str(b):>8}" for b in sizes) + f"{'min':>8}")
+    for recipe, row in results.items():
+        print(f"{recipe:<28}" + "".join(f"{row['ratio'][b]:>8.3f}" for b in sizes) + f"{row['min']:>8.3f}")
+    atomic_write_text(cfg.out, json.dumps({"config": vars(cfg), "results": results}, indent=1, default=str))
+    print(f"written: {cfg.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(cross_fit_main))
