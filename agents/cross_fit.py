@@ -4,7 +4,8 @@
 Selecting a policy by its speed on its own training prompts rewards what it memorised (issue 14, eighth stop:
 the in-sample rule and three held-out splits disagreed). This splits the train split into folds (every
 `folds`-th prompt of each category), trains each recipe's warm start (the device's YAML block: rounds, net,
-passes, episodes; each seed, then the mean of their logits, as `train_policy.py` does) on all folds but one and
+passes, episodes, labels; each seed, then the mean of their logits, as `train_policy.py` does; simulated machine
+conditions are not drawn, which the CPU block does not use) on all folds but one and
 scores it with the replay on the one left out, beside the best tuned rule, at every batch size; the folds'
 scores are averaged, so every train prompt is scored once by a policy that never saw it. A recipe is the train
 split minus the categories it drops (`all`, or `-CAT[+CAT...]`). The test, ood and outside splits are not
@@ -27,6 +28,7 @@ from env.replay_env import replay_evaluate
 from .ensemble import merge
 from .improve import as_policy, improve_policy
 from .ppo import load_hyperparams
+from .train_cli import rollout_episodes
 
 
 @dataclass
@@ -110,17 +112,18 @@ def cross_fit_main(argv: list[str] | None = None) -> int:
     k_max = int(hp["k_max"])
     rules = read_json_file(policy_dir(cfg.device, cfg.draft, POLICIES) / "rules.json", "tuned rules", keys=("best_rule",))
     rule = rules_policy(rules["best_rule"], profile, train, k_max, cfg.draft)
-    episodes = hp["rollout_episodes"]
 
     def train_fold(fit_on):
-        per_b = {b: min(len(fit_on), int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes))
-                 for b in sizes}
+        per_b = {b: min(len(fit_on), n) for b, n in rollout_episodes(hp, sizes).items()}
         members = []
         for seed in seeds:
             layers, norm, _ = improve_policy(rule, fit_on, cost, k_max, hardware, sizes, per_b, cfg.max_new_tokens,
                                              int(hp["rollout_rounds"]), list(hp["net_arch"]), str(hp["activation"]),
                                              int(hp["rollout_epochs"]), seed=seed, progress=cfg.progress,
-                                             workers=int(hp.get("rollout_workers") or 0))
+                                             workers=int(hp.get("rollout_workers") or 0),
+                                             context_lens=[int(c) for c in hp.get("context_lens") or []],
+                                             cost_jitter=float(hp.get("replay_cost_jitter") or 0.0),
+                                             labels=str(hp.get("warm_start_labels") or "rollout"))
             members.append(as_policy(layers, norm, str(hp["activation"]), k_max))
         return members[0] if len(members) == 1 else as_policy(*merge(members), str(hp["activation"]), k_max)
 

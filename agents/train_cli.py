@@ -227,9 +227,7 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
     else:
         base, traces, cost, hardware = _best_rule(cfg, hp, device_key, draft_name, train_ids, torch_device, batch_sizes, out)
         what = f"the best tuned rule ({', '.join(f'B={b} {s}' for b, s in base.table.items())})"
-    episodes = hp["rollout_episodes"]
-    episodes = {int(b): int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes)
-                for b in batch_sizes}
+    episodes = rollout_episodes(hp, batch_sizes)
     labels = str(hp.get("warm_start_labels") or "rollout")
     print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from {what}"
           + (" (one-row states labelled by the oracle's hindsight Q*)" if labels == "oracle" else ""), file=sys.stderr)
@@ -240,6 +238,14 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
         hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=float(hp.get("replay_cost_jitter") or 0.0),
         workers=int(hp.get("rollout_workers") or 0), labels=labels)
     return (layers, norm), history
+
+
+def rollout_episodes(hp: dict, batch_sizes: list[int]) -> dict[int, int]:
+    """{batch size: labelled episodes} from the YAML's `rollout_episodes` (an int for every batch size, or
+    {batch size: episodes}; a batch size it does not name gets none)."""
+    episodes = hp["rollout_episodes"]
+    return {int(b): int(episodes.get(b, episodes.get(str(b), 0)) if isinstance(episodes, dict) else episodes)
+            for b in batch_sizes}
 
 
 def fitting_prompts(target, prompts: list, room: int) -> list:

@@ -144,7 +144,6 @@ def _open_checkpoint(path: Path, signature: dict, resume: bool) -> dict:
                 raise SpecPilotError(f"--resume: {path} line {n} is not JSON; delete the file to start over") from None
             done[(row["repeat"], row["load"], row["batch"])] = [BatchRun(**x) for x in row["runs"]]
         return done
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"signature": signature}) + "\n")
     return {}
 

@@ -13,7 +13,7 @@ from decoding.config import at_least, parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.hardware import device_of
 from decoding.models import load_draft, load_target, resolve_torch_device
-from decoding.paths import policy_dir, profile_path, read_json_file, relative, traces_path
+from decoding.paths import atomic_write_text, policy_dir, profile_path, read_json_file, relative, traces_path
 from decoding.policies import PerBatchK, parse_policy, resolve_k_max
 from decoding.prompts import load_prompts, per_category
 from decoding.sampling import Sampling
@@ -317,8 +317,8 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         if "oracle" in policies and max(sizes) > 1:
             print("oracle: its hindsight schedule is per sequence, so it is shown at B = 1 only")
         jitter = _cost_jitter_report(cfg, policies, traces, cost, hardware, sizes)
-        (out / "replay_batch.json").write_text(json.dumps({"prompts": sorted(wanted), "results": by_size,
-                                                           **jitter}, indent=1))
+        atomic_write_text(out / "replay_batch.json", json.dumps({"prompts": sorted(wanted), "results": by_size, **jitter},
+                                                                indent=1))
         _print_range_report(_range_report(policies))
         return 0
     results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware, max_new_tokens=cfg.max_new_tokens)
@@ -329,7 +329,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
               + (f"{row['fraction_of_oracle']:>8.3f}" if "oracle" in results else ""))
     jitter = _cost_jitter_report(cfg, policies, traces, cost, hardware, [1])
-    (out / "replay.json").write_text(json.dumps({"prompts": sorted(wanted), "results": results, **jitter}, indent=1))
+    atomic_write_text(out / "replay.json", json.dumps({"prompts": sorted(wanted), "results": results, **jitter}, indent=1))
     _print_range_report(_range_report(policies))
     return 0
 

@@ -81,7 +81,6 @@ def lookup_cost_main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{length:>8}{row['indexed_us']:>12.0f}{row['scan_us']:>14.0f}")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "lookup_cost.json", json.dumps({"draft": cfg.draft, "steps": cfg.steps,
                                                              "repeats": cfg.repeats, "rows": rows}, indent=1))
     print(f"per row and step, median of {cfg.repeats} x {cfg.steps} steps; results: {out / 'lookup_cost.json'}")

@@ -233,7 +233,7 @@ class LearnedK(LengthPolicy):
                 moved = float(np.abs(clipped - x) @ self._read_weight)
             if self.low is not None and moved > 0.0:
                 self.out_of_range += 1
-                self.clipped_by_feature += (clipped != x) & ~self._still
+                self.clipped_by_feature += (clipped != x) & self._read
         return self.action_to_k[int(np.argmax(self._forward(clipped)))]
 
     def clipped_features(self) -> dict[str, int]:

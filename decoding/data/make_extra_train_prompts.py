@@ -33,26 +33,36 @@ MIN_CHARS = 7200
 """About 1,700 tokens of English technical prose for this tokenizer (4.2 characters a token)."""
 
 
-def named_paragraphs() -> list[tuple[str, str]]:
-    """(module.function, a prose paragraph of its docstring) from the standard library, in a fixed order."""
+def docstring_paragraphs(modules, defined_here: bool = True, skip=None, clean=None) -> list[tuple[str, str]]:
+    """(module.name, a prose paragraph of 200-1,100 characters of its docstring) for the functions and classes of
+    `modules` (only those defined there with `defined_here`), in a fixed order; `skip(text)` drops a paragraph,
+    `clean(text)` rewrites a kept one. Shared by the train and outside prompt writers."""
     out = []
-    for name in STDLIB_MODULES:
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except Exception:
             continue
         for attr, obj in sorted(vars(module).items()):
-            if not (inspect.isfunction(obj) or inspect.isclass(obj)) or getattr(obj, "__module__", None) != module.__name__:
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            if defined_here and getattr(obj, "__module__", None) != module.__name__:
                 continue
             doc = obj.__doc__ if isinstance(obj.__doc__, str) else ""
             for part in re.split(r"\n\s*\n", inspect.cleandoc(doc)):
                 text = " ".join(part.split())
-                if 200 <= len(text) <= 1100 and not text.startswith((">>>", "..", "-", "*", "+")):
-                    out.append((f"{name}.{attr}", text))
+                if 200 <= len(text) <= 1100 and not (skip and skip(text)):
+                    out.append((f"{name}.{attr}", clean(text) if clean else text))
     return out
 
 
-def _draw(rng: random.Random, pool: list[tuple[str, str]], chars: int) -> list[tuple[str, str]]:
+def named_paragraphs() -> list[tuple[str, str]]:
+    """(module.function, a prose paragraph of its docstring) from the standard library, in a fixed order."""
+    return docstring_paragraphs(STDLIB_MODULES, skip=lambda text: text.startswith((">>>", "..", "-", "*", "+")))
+
+
+def draw(rng: random.Random, pool: list[tuple[str, str]], chars: int) -> list[tuple[str, str]]:
+    """Distinct passages of `pool`, drawn at random until they hold `chars` characters."""
     chosen, size = [], 0
     while size < chars:
         item = rng.choice(pool)
@@ -66,13 +76,13 @@ def summarization(rng, pool) -> list[str]:
     asks = ["Summarise the following passage in six bullet points.",
             "Write a one-paragraph summary of the text below for a programmer who has not read it.",
             "Summarise the following documentation, then name the three ideas that matter most."]
-    return [f"{asks[i % len(asks)]}\n\n" + "\n\n".join(p for _, p in _draw(rng, pool, MIN_CHARS)) for i in range(6)]
+    return [f"{asks[i % len(asks)]}\n\n" + "\n\n".join(p for _, p in draw(rng, pool, MIN_CHARS)) for i in range(6)]
 
 
 def document_qa(rng, pool) -> list[str]:
     out = []
     for i in range(6):
-        parts = _draw(rng, pool, MIN_CHARS)
+        parts = draw(rng, pool, MIN_CHARS)
         a, b = rng.sample(range(1, len(parts) + 1), 2)
         doc = "\n\n".join(f"Section {j}. {p}" for j, (_, p) in enumerate(parts, 1))
         out.append(f"Read the document below, then answer: what does Section {a} describe, and how does it relate "
@@ -83,7 +93,7 @@ def document_qa(rng, pool) -> list[str]:
 def retrieval_qa(rng, pool) -> list[str]:
     out = []
     for i in range(6):
-        parts = _draw(rng, pool, MIN_CHARS)
+        parts = draw(rng, pool, MIN_CHARS)
         source, _ = rng.choice(parts)
         passages = "\n\n".join(f"[{j}] (source: {name})\n{p}" for j, (name, p) in enumerate(parts, 1))
         out.append("Answer the question using only the retrieved passages, and cite the passage numbers you use.\n\n"
@@ -110,7 +120,7 @@ def passage_translation(rng, pool) -> list[str]:
     languages = ["French", "Spanish", "German", "Italian", "Swedish", "Polish", "Portuguese", "Czech"]
     out = []
     for i, language in enumerate(languages):
-        parts = _draw(rng, pool, 1500 + 350 * i)
+        parts = draw(rng, pool, 1500 + 350 * i)
         out.append(f"Translate the following text into {language}. Keep names of modules and functions as they "
                    "are.\n\n" + "\n\n".join(p for _, p in parts))
     return out

@@ -7,12 +7,14 @@ tuning anything or for choosing between policies: it is the check no one has loo
 Run `python decoding/data/make_outside_prompts.py` (it replaces the outside lines, keeps the others); the JSONL
 is committed. Six kinds, 4 prompts each, deterministic.
 """
-import importlib
-import inspect
 import json
 import random
 import re
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from decoding.data.make_extra_train_prompts import docstring_paragraphs, draw  # noqa: E402
 
 OUT = Path(__file__).with_name("prompts.jsonl")
 SEED = 20261203
@@ -23,29 +25,11 @@ LONG_CHARS = 7200
 def torch_paragraphs() -> list[tuple[str, str]]:
     """(module.name, a prose paragraph of its docstring) from PyTorch's nn / optim / data / distributions /
     autograd, reST roles reduced to their text, no code, maths or argument lists."""
-    out = []
-    for name in ("torch.nn", "torch.optim", "torch.utils.data", "torch.distributions", "torch.autograd"):
-        module = importlib.import_module(name)
-        for attr, obj in sorted(vars(module).items()):
-            if not (inspect.isclass(obj) or inspect.isfunction(obj)):
-                continue
-            doc = obj.__doc__ if isinstance(obj.__doc__, str) else ""
-            for part in re.split(r"\n\s*\n", inspect.cleandoc(doc)):
-                text = " ".join(part.split())
-                if 200 <= len(text) <= 1100 and not re.search(r"(>>>|\.\. |:math:|Args:|Shape:|Example|\\|\$|Attributes:)", text):
-                    text = re.sub(r":\w+:`~?(?:[\w.]*\.)?([^`]+)`", r"\1", text).replace("``", "")
-                    out.append((f"{name}.{attr}", text))
-    return sorted(set(out))
-
-
-def _draw(rng: random.Random, pool: list[tuple[str, str]], chars: int) -> list[tuple[str, str]]:
-    chosen, size = [], 0
-    while size < chars:
-        item = rng.choice(pool)
-        if item not in chosen:
-            chosen.append(item)
-            size += len(item[1])
-    return chosen
+    found = docstring_paragraphs(
+        ("torch.nn", "torch.optim", "torch.utils.data", "torch.distributions", "torch.autograd"), defined_here=False,
+        skip=lambda text: re.search(r"(>>>|\.\. |:math:|Args:|Shape:|Example|\\|\$|Attributes:)", text),
+        clean=lambda text: re.sub(r":\w+:`~?(?:[\w.]*\.)?([^`]+)`", r"\1", text).replace("``", ""))
+    return sorted(set(found))
 
 
 def chats() -> list[str]:
@@ -102,7 +86,7 @@ def long_summaries(rng: random.Random, pool) -> list[str]:
             "Write a short summary of the text below for someone new to deep learning.",
             "What are the main points of the following documentation? Answer in one paragraph.",
             "Summarise this text, then say which part a beginner would find hardest."]
-    return [f"{ask}\n\n" + "\n\n".join(p for _, p in _draw(rng, pool, LONG_CHARS)) for ask in asks]
+    return [f"{ask}\n\n" + "\n\n".join(p for _, p in draw(rng, pool, LONG_CHARS)) for ask in asks]
 
 
 def questions() -> list[str]:
@@ -123,7 +107,7 @@ def maths() -> list[str]:
 def retrieval(rng: random.Random, pool) -> list[str]:
     out = []
     for _ in range(4):
-        parts = _draw(rng, pool, LONG_CHARS)
+        parts = draw(rng, pool, LONG_CHARS)
         source, _ = rng.choice(parts)
         passages = "\n\n".join(f"[{j}] ({name})\n{p}" for j, (name, p) in enumerate(parts, 1))
         out.append("Use the retrieved passages below to answer the question, citing passage numbers.\n\n"
