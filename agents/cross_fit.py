@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from bench.tune_cli import rules_policy
 from decoding.config import parse_config, parse_ints, run_cli
 from decoding.errors import SpecPilotError
-from decoding.paths import POLICIES, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
+from decoding.paths import POLICIES, Checkpoint, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
 from env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
 from env.replay_env import replay_evaluate
 
@@ -53,6 +53,9 @@ class CrossFitConfig:
     """JSON written with every fold's and recipe's scores."""
     progress: bool = True
     """Show progress bars."""
+    resume: bool = False
+    """Continue an interrupted run: each finished fold of a recipe is kept in OUT.checkpoint.jsonl as it ends, and
+    only the rest are trained (refused when the file comes from other settings)."""
 
 
 def fold_of(traces) -> dict[str, int]:
@@ -75,22 +78,30 @@ def recipe_filter(recipe: str):
     return lambda t: t.category not in dropped
 
 
-def cross_fit(traces, recipes: list[str], folds: int, train_fold, score, batch_sizes: list[int]) -> dict:
+def cross_fit(traces, recipes: list[str], folds: int, train_fold, score, batch_sizes: list[int],
+              done: dict | None = None, on_fold=None) -> dict:
     """{recipe: {"folds": [{batch size: (learned, rule)}...], "ratio": {b: mean learned / rule}, "min": ...}}.
     `train_fold(fit_traces) -> policy` trains one recipe's policy; `score(policy, traces, b) -> (learned, rule)`
-    replays it beside the rule on the held-out fold."""
+    replays it beside the rule on the held-out fold. `done` {(recipe, fold): its row} skips folds already scored
+    (a resumed run); `on_fold(recipe, fold, row)` is called as each new one ends."""
     where = fold_of(traces)
+    done = done or {}
     results = {}
     for recipe in recipes:
         keep = recipe_filter(recipe)
         rows = []
         for f in range(folds):
+            if (recipe, f) in done:
+                rows.append(done[(recipe, f)])
+                continue
             held = [t for t in traces if where[t.question_id] % folds == f]
             fit_on = [t for t in traces if where[t.question_id] % folds != f and keep(t)]
             if not held or not fit_on:
                 raise SpecPilotError(f"fold {f} of recipe '{recipe}' has nothing to {'score' if not held else 'train'} on")
             policy = train_fold(fit_on)
             rows.append({b: score(policy, held, b) for b in batch_sizes})
+            if on_fold:
+                on_fold(recipe, f, rows[-1])
         ratio = {b: sum(r[b][0] / r[b][1] for r in rows) / folds for b in batch_sizes}
         results[recipe] = {"folds": rows, "ratio": ratio, "min": min(ratio.values())}
     return results
@@ -131,12 +142,20 @@ def cross_fit_main(argv: list[str] | None = None) -> int:
         got = replay_evaluate({"learned": policy, "rule": rule}, held, cost, k_max, hardware, b, cfg.max_new_tokens)
         return got["learned"]["speedup"], got["rule"]["speedup"]
 
-    results = cross_fit(train, recipes, cfg.folds, train_fold, score, sizes)
+    signature = {k: v for k, v in vars(cfg).items() if k not in ("progress", "resume")}
+    signature.update(hyperparams=hp, rule=rules["best_rule"], prompts=[t.question_id for t in train])
+    keep = Checkpoint(f"{cfg.out}.checkpoint.jsonl", signature, cfg.resume, "cross-fit")
+    done = {(x["recipe"], x["fold"]): {int(b): tuple(v) for b, v in x["row"].items()} for x in keep.rows}
+    if done:
+        print(f"resuming: {len(done)} fold(s) already scored in {keep.path}")
+    results = cross_fit(train, recipes, cfg.folds, train_fold, score, sizes, done,
+                        lambda recipe, f, row: keep.append({"recipe": recipe, "fold": f, "row": row}))
     print(f"{len(train)} train prompts in {cfg.folds} folds, each scored by policies that never saw it; learned / best-rule")
     print(f"{'recipe':<28}" + "".join(f"{'B=' + str(b):>8}" for b in sizes) + f"{'min':>8}")
     for recipe, row in results.items():
         print(f"{recipe:<28}" + "".join(f"{row['ratio'][b]:>8.3f}" for b in sizes) + f"{row['min']:>8.3f}")
     atomic_write_text(cfg.out, json.dumps({"config": vars(cfg), "results": results}, indent=1, default=str))
+    keep.remove()
     print(f"written: {cfg.out}")
     return 0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 from collections import defaultdict
@@ -21,7 +20,7 @@ from tqdm import tqdm
 
 from decoding.errors import SpecPilotError
 from decoding.loop import generate
-from decoding.paths import atomic_write_text
+from decoding.paths import Checkpoint, atomic_write_text
 from decoding.policies import LengthPolicy
 from decoding.prompts import Prompt, batches_of
 from decoding.sampling import Sampling
@@ -95,7 +94,8 @@ def run_batch_benchmark(
     signature = {"policies": names, "prompts": [p.question_id for p in prompts], "batch_sizes": list(batch_sizes),
                  "max_new_tokens": max_new_tokens, "repeats": repeats, "loads": loads, "sampling": asdict(sampling),
                  "chat": chat, "target": getattr(target, "name", None), "draft": getattr(draft, "name", None)}
-    done = _open_checkpoint(Path(checkpoint), signature, resume) if checkpoint else {}
+    keep = Checkpoint(checkpoint, signature, resume, "benchmark") if checkpoint else None
+    done = {(x["repeat"], x["load"], x["batch"]): [BatchRun(**run) for run in x["runs"]] for x in keep.rows} if keep else {}
     runs: list[BatchRun] = []
     desc = "benchmark" if batch_sizes == [1] else "batch benchmark"
     bar = tqdm(total=repeats * len(loads) * len(plan) * len(names), desc=desc, disable=not progress, file=sys.stderr)
@@ -115,45 +115,11 @@ def run_batch_benchmark(
                         groups[j].append(_run_one(target, draft, policies[name], name, prompts, encoded, b, i, idx, r,
                                                   max_new_tokens, sampling, load))
                         bar.update()
-                    if checkpoint:
-                        _append_checkpoint(Path(checkpoint), r, load, j, groups[j])
+                    if keep:
+                        keep.append({"repeat": r, "load": load, "batch": j, "runs": [asdict(x) for x in groups[j]]})
             runs += [run for j in range(len(plan)) for run in groups[j]]
     bar.close()
     return runs
-
-
-def _open_checkpoint(path: Path, signature: dict, resume: bool) -> dict:
-    """{(repeat, load, batch number): its runs} from an existing checkpoint when resuming (a torn last line,
-    left by a kill mid-write, is dropped); otherwise a fresh file holding the plan's signature."""
-    if resume and path.exists():
-        lines = path.read_text().splitlines()
-        try:
-            head = json.loads(lines[0]) if lines else {}
-        except json.JSONDecodeError:
-            head = {}
-        if head.get("signature") != json.loads(json.dumps(signature)):
-            raise SpecPilotError(f"--resume: {path} is from another benchmark (other policies, prompts or settings); "
-                                 "run the same command, or delete it to start over")
-        done = {}
-        for n, line in enumerate(lines[1:], 2):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                if n == len(lines):
-                    break
-                raise SpecPilotError(f"--resume: {path} line {n} is not JSON; delete the file to start over") from None
-            done[(row["repeat"], row["load"], row["batch"])] = [BatchRun(**x) for x in row["runs"]]
-        return done
-    atomic_write_text(path, json.dumps({"signature": signature}) + "\n")
-    return {}
-
-
-def _append_checkpoint(path: Path, r: int, load: str, j: int, group: list[BatchRun]) -> None:
-    """One finished batch (every policy's run of it) as one line, flushed to disk before the next starts."""
-    with path.open("a") as f:
-        f.write(json.dumps({"repeat": r, "load": load, "batch": j, "runs": [asdict(x) for x in group]}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _run_one(target, draft, policy, name, prompts, encoded, b, i, idx, r, max_new_tokens, sampling, load) -> BatchRun:
@@ -333,11 +299,19 @@ def _paired_speedups(by_key: dict, b: int, policy: str, batches: list[int]) -> d
     ratios = [(t / s) / (pt / ps) for t, s, pt, ps in repeats.values() if s > 0 and ps > 0 and t and pt]
     if not ratios:
         return {}
+    mean, interval = paired_ratio(ratios)
+    return {"speedup_per_repeat": ratios, "speedup_paired": mean, "speedup_paired_interval": interval}
+
+
+def paired_ratio(ratios: list[float]) -> tuple[float, list[float] | None]:
+    """The geometric mean of per-repeat ratios (each measured side by side, so slow drift of the machine cancels)
+    and an approximate 95% interval of it, exp(mean log +- 2 standard errors); None with a single repeat."""
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
-    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
-    return {"speedup_per_repeat": ratios, "speedup_paired": math.exp(mean),
-            "speedup_paired_interval": [math.exp(mean - 2 * se), math.exp(mean + 2 * se)] if len(logs) > 1 else None}
+    if len(logs) < 2:
+        return math.exp(mean), None
+    se = statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), [math.exp(mean - 2 * se), math.exp(mean + 2 * se)]
 
 
 def paired_cell(cell: dict) -> str:

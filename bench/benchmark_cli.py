@@ -85,6 +85,9 @@ class BenchmarkConfig:
     """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
+    gemm: str = "linear"
+    """CPU fp32 matrix products: linear (torch's) | small-rows (decoding.models.SmallRowLinear, W @ x^T for up to
+    16 rows: cheaper verify passes on this CPU; `python -m bench.gemm` times both)."""
     allow_device_mismatch: bool = False
     """Let a learned policy trained on another device run."""
     out: str = "runs/benchmark"
@@ -405,7 +408,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     device_key, hardware_name = device_of(resolve_torch_device(cfg.device))
     sampling = Sampling(cfg.temperature)
     prompts = per_category(load_prompts(cfg.prompts, cfg.split), cfg.per_category)
-    target = load_target(cfg.target, cfg.dtype, cfg.device)
+    target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm)
     draft = load_draft(cfg.draft, target, cfg.dtype)
     learned = {n: parse_policy(n, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key, draft=draft.name)
                for n in names if n.split(":")[0] == "learned"}

@@ -5,8 +5,6 @@ approximate 95% interval, exp(mean log +- 2 standard errors). Prints a table and
 from __future__ import annotations
 
 import json
-import math
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,8 @@ from pathlib import Path
 from decoding.config import parse_config, run_cli
 from decoding.errors import SpecPilotError
 from decoding.paths import atomic_write_text, read_json_file
+
+from .benchmark import paired_ratio
 
 
 @dataclass
@@ -43,11 +43,8 @@ def paired_ratios(runs: list[dict], policy: str, versus: str) -> dict[str, dict]
     out = {}
     loaded = any(load != "none" for load, _ in by_cell)  # without loads a cell is just its batch size
     for (load, b), ratios in by_cell.items():
-        logs = [math.log(r) for r in ratios]
-        mean = statistics.fmean(logs)
-        se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
-        out[f"{load} B={b}" if loaded else f"B={b}"] = {"per_repeat": ratios, "ratio": math.exp(mean),
-                                "interval": [math.exp(mean - 2 * se), math.exp(mean + 2 * se)] if len(logs) > 1 else None}
+        mean, interval = paired_ratio(ratios)
+        out[f"{load} B={b}" if loaded else f"B={b}"] = {"per_repeat": ratios, "ratio": mean, "interval": interval}
     return out
 
 

@@ -65,6 +65,9 @@ class ProfileConfig:
     """Tokens per traced prompt."""
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
+    gemm: str = "linear"
+    """CPU fp32 matrix products: linear (torch's) | small-rows (decoding.models.SmallRowLinear, W @ x^T for up to
+    16 rows: cheaper verify passes on this CPU; `python -m bench.gemm` times both)."""
     out: str = "profiles"
     """Folder for <device>.json, <device>.png and the traces."""
     progress: bool = True
@@ -103,7 +106,7 @@ def profile_main(argv: list[str] | None = None) -> int:
         target = random_init_target(cfg.target_config, cfg.dtype, torch_device)
         prompt_ids = list(range(100, 164))
     else:
-        target = load_target(cfg.target, cfg.dtype, torch_device)
+        target = load_target(cfg.target, cfg.dtype, torch_device, cfg.gemm)
         prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
     if cfg.draft_config:
         draft_target = random_init_target(cfg.draft_config, cfg.dtype, torch_device)

@@ -49,6 +49,9 @@ class GenerateConfig:
     """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
     dtype: str = "auto"
     """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
+    gemm: str = "linear"
+    """CPU fp32 matrix products: linear (torch's) | small-rows (decoding.models.SmallRowLinear, W @ x^T for up to
+    16 rows: cheaper verify passes on this CPU; `python -m bench.gemm` times both)."""
     allow_device_mismatch: bool = False
     """Let --policy learned use a policy trained on another device."""
     json: bool = False
@@ -67,7 +70,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     at_least(1, max_new_tokens=cfg.max_new_tokens)
     k_max = resolve_k_max(cfg.k_max, [])
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-    target = load_target(cfg.target, cfg.dtype, cfg.device)
+    target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm)
     policy = parse_policy(cfg.policy, k_max, allow_device_mismatch=cfg.allow_device_mismatch,
                           device=device_of(str(target.device))[0], draft=draft_name(cfg.draft))
     resolve_k_max(cfg.k_max, [policy])  # a conflicting --k-max is an error

@@ -175,6 +175,40 @@ def use_gqa_attention(model):
     return model
 
 
+class SmallRowLinear(torch.nn.Linear):
+    """nn.Linear whose product for a few fp32 rows on the CPU is taken as W @ x^T, then transposed.
+
+    torch computes `F.linear(x, W)` as x @ W^T, and on this CPU's MKL that costs 2-2.5x more for 2-8 rows than
+    for one (the same weights read either way: the kernel, not the arithmetic, makes a verify pass of k >= 1
+    drafted tokens cost 1.6-2.1x a plain step). Handing MKL the product the other way round, W (out x in) times
+    x^T (in x rows), keeps a few rows near one row's cost (measured by `python -m bench.gemm`). Same numbers up to
+    float summation order; more rows, other dtypes and other devices take nn.Linear's own path."""
+
+    max_rows: int = 16
+    """Largest number of rows (batch x tokens) taken the other way round."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows <= self.max_rows and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
+                and x.device.type == "cpu":
+            y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+def use_small_row_gemm(model, on: bool = True):
+    """Every nn.Linear of `model` as a SmallRowLinear (`on`) or back to nn.Linear (not `on`), in place: the class
+    is swapped, the weights (tied ones too) are untouched. Returns the model."""
+    for module in model.modules():
+        if on and type(module) is torch.nn.Linear:
+            module.__class__ = SmallRowLinear
+        elif not on and type(module) is SmallRowLinear:
+            module.__class__ = torch.nn.Linear
+    return model
+
+
 def _is_pathlike(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
 
@@ -217,14 +251,25 @@ def resolve_torch_device(name: str) -> str:
     return torch_device_of(name)
 
 
-def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto") -> Target:
+GEMM_PATHS = ("linear", "small-rows")
+
+
+def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto", gemm: str = "linear") -> Target:
     """The target: 'embedded', a hub id, a folder, a .gguf file, or random:CONFIG (random init, for the GPU
-    check's plumbing and cost profiling: no weights to download)."""
+    check's plumbing and cost profiling: no weights to download). `gemm` (GEMM_PATHS): small-rows runs its linear
+    layers as SmallRowLinear, and says so in the target's name (so reports and profiles record it)."""
+    if gemm not in GEMM_PATHS:
+        raise SpecPilotError(f"--gemm must be one of {', '.join(GEMM_PATHS)}, got '{gemm}'")
     if spec and spec.startswith("random:"):
-        return random_init_target(spec.partition(":")[2], dtype, device)
-    device = resolve_torch_device(device)
-    model, tokenizer, name = load_model(spec, resolve_dtype(dtype, device), device)
-    return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
+        target = random_init_target(spec.partition(":")[2], dtype, device)
+    else:
+        device = resolve_torch_device(device)
+        model, tokenizer, name = load_model(spec, resolve_dtype(dtype, device), device)
+        target = Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
+    if gemm == "small-rows":
+        use_small_row_gemm(target.model)
+        target.name += " [small-rows gemm]"
+    return target
 
 
 def eos_ids_of(model, tokenizer) -> frozenset[int]:

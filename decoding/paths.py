@@ -79,6 +79,48 @@ def read_text_file(path: str | Path, what: str = "file", hint: str = "") -> str:
         raise SpecPilotError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
+class Checkpoint:
+    """A JSONL file of finished units of a long run, each line flushed to disk before the next unit starts, so that
+    a kill loses at most the unit in progress. The first line holds the run's signature (its settings): resuming
+    from a file written by other settings is refused, in one line. A torn last line (a kill mid-write) is dropped."""
+
+    def __init__(self, path: str | Path, signature: dict, resume: bool, what: str = "run"):
+        self.path = Path(path)
+        self.rows: list[dict] = []
+        """The finished units read back when resuming (empty on a fresh start)."""
+        if resume and self.path.exists():
+            lines = self.path.read_text().splitlines()
+            try:
+                head = json.loads(lines[0]) if lines else {}
+            except json.JSONDecodeError:
+                head = {}
+            if head.get("signature") != json.loads(json.dumps(signature, default=str)):
+                raise SpecPilotError(f"--resume: {self.path} is from another {what} (other settings); "
+                                     "run the same command, or delete it to start over")
+            for n, line in enumerate(lines[1:], 2):
+                try:
+                    self.rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    if n == len(lines):
+                        break
+                    raise SpecPilotError(f"--resume: {self.path} line {n} is not JSON; delete the file to start over") from None
+            # rewrite without a torn tail, so that the next append starts on a line of its own
+            atomic_write_text(self.path, "".join(json.dumps(x) + "\n" for x in [head] + self.rows))
+        else:
+            atomic_write_text(self.path, json.dumps({"signature": signature}, default=str) + "\n")
+
+    def append(self, row: dict) -> None:
+        """One finished unit as one line, on disk before this returns."""
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self) -> None:
+        """Once the run's results are written, the checkpoint has nothing they lack."""
+        self.path.unlink(missing_ok=True)
+
+
 def read_json_file(path: str | Path, what: str = "JSON file", hint: str = "", keys: tuple[str, ...] = ()) -> dict:
     """A JSON object from a file, with `keys` present; anything else is a one-line SpecPilotError."""
     text = read_text_file(path, what, hint)

@@ -72,3 +72,33 @@ def test_a_recipe_learned_on_other_prompts_beats_its_base_where_the_features_dec
 
     results = cross_fit(traces, ["all"], 2, train_fold, score, [1])
     assert results["all"]["ratio"][1] > 1.2
+
+
+def test_an_interrupted_run_resumes_with_the_missing_folds_only():
+    traces = _traces()
+    trained = []
+
+    def train_fold(fit_on):
+        trained.append(frozenset(t.question_id for t in fit_on))
+        return len(fit_on)
+
+    def score(policy, held, b):
+        return 1.0 + policy / 100 + len(held) / 1000, 1.0
+
+    whole = cross_fit(traces, ["all", "-b"], 2, train_fold, score, [1, 2])
+    fits_whole, trained[:] = list(trained), []
+    kept = {}
+
+    def dies_after_three(fit_on):
+        if len(trained) == 3:
+            raise KeyboardInterrupt
+        return train_fold(fit_on)
+
+    with pytest.raises(KeyboardInterrupt):
+        cross_fit(traces, ["all", "-b"], 2, dies_after_three, score, [1, 2],
+                  on_fold=lambda recipe, f, row: kept.__setitem__((recipe, f), row))
+    assert sorted(kept) == [("-b", 0), ("all", 0), ("all", 1)]
+    trained[:] = []
+    resumed = cross_fit(traces, ["all", "-b"], 2, train_fold, score, [1, 2], done=kept)
+    assert trained == fits_whole[3:]  # only the fold that had not ended is trained again
+    assert resumed == whole
