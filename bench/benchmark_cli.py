@@ -95,7 +95,7 @@ class BenchmarkConfig:
     report: str | None = None
     """Also write a markdown report here (e.g. reports/cpu.md; the plot and JSON are copied beside it)."""
     profile: str | None = None
-    """Cost profile for the oracle (default: profiles/DEVICE.json)."""
+    """Cost profile for the oracle, the batch table and --replay (default: profiles/DEVICE[-DRAFT].json)."""
     traces: str | None = None
     """Acceptance traces for the oracle (default: profiles/traces-DRAFT.json)."""
     batch_sizes: str = ""
