@@ -86,8 +86,8 @@ class BenchmarkConfig:
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
     gemm: str = "linear"
-    """CPU fp32 matrix products: linear (torch's) | small-rows (decoding.models.SmallRowLinear, W @ x^T for up to
-    16 rows: cheaper verify passes on this CPU; `python -m bench.gemm` times both)."""
+    """CPU fp32 matrix products: linear (torch's) | small-rows (decoding.models.SmallRowLinear, W @ x^T for 2-4
+    rows: cheaper verify passes of 1-3 drafted tokens on this CPU; `python -m bench.gemm` times both)."""
     allow_device_mismatch: bool = False
     """Let a learned policy trained on another device run."""
     out: str = "runs/benchmark"

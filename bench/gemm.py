@@ -1,7 +1,7 @@
 """Which fp32 matrix-product path a CPU target should run: `python -m bench.gemm` (about 3 minutes).
 
 A verify pass of k >= 1 drafted tokens costs this CPU 1.6-2.1x a plain step at one row, and that ratio decides
-when drafting pays. Most of it is the kernel: torch's x @ W^T for 2-8 rows is 2-2.5x the cost of one row here,
+when drafting pays. Most of it is the kernel: torch's x @ W^T for 2-4 rows is 2-2.5x the cost of one row here,
 while the same product handed over as W @ x^T is not (`decoding.models.SmallRowLinear`). This times real steps
 of the loop (`speculative_step` verifying k random drafted tokens, as `profile_device.py` does) with nn.Linear
 and with SmallRowLinear, alternating within each repeat so that the machine's drift cancels, and reports per

@@ -176,21 +176,24 @@ def use_gqa_attention(model):
 
 
 class SmallRowLinear(torch.nn.Linear):
-    """nn.Linear whose product for a few fp32 rows on the CPU is taken as W @ x^T, then transposed.
+    """nn.Linear whose product for 2-4 fp32 rows on the CPU is taken as W @ x^T, then transposed.
 
-    torch computes `F.linear(x, W)` as x @ W^T, and on this CPU's MKL that costs 2-2.5x more for 2-8 rows than
-    for one (the same weights read either way: the kernel, not the arithmetic, makes a verify pass of k >= 1
-    drafted tokens cost 1.6-2.1x a plain step). Handing MKL the product the other way round, W (out x in) times
-    x^T (in x rows), keeps a few rows near one row's cost (measured by `python -m bench.gemm`). Same numbers up to
-    float summation order; more rows, other dtypes and other devices take nn.Linear's own path."""
+    torch computes `F.linear(x, W)` as x @ W^T, and on this CPU's MKL that costs 2-2.5x more for 2-4 rows than
+    for one (the same weights read either way: the kernel, not the arithmetic, made a verify pass of 1-3 drafted
+    tokens cost 1.65-2.0x a plain step). Handed over the other way round, W (out x in) times x^T (in x rows), a
+    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m bench.gemm`, ninth stop of reports/README.md);
+    at one row and at 5 or more rows that way was no faster or slower there, so those keep nn.Linear's path, as do
+    other dtypes and devices. Same numbers up to float summation order."""
 
-    max_rows: int = 16
-    """Largest number of rows (batch x tokens) taken the other way round."""
+    min_rows: int = 2
+    """Fewest rows (batch x tokens) taken the other way round."""
+    max_rows: int = 4
+    """Most rows taken the other way round."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows <= self.max_rows and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
-                and x.device.type == "cpu":
+        if self.min_rows <= rows <= self.max_rows and x.dtype == torch.float32 \
+                and self.weight.dtype == torch.float32 and x.device.type == "cpu":
             y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
             if self.bias is not None:
                 y = y + self.bias
