@@ -13,7 +13,7 @@ from decoding.config import at_least, parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.hardware import device_of
 from decoding.models import load_draft, load_target, resolve_torch_device
-from decoding.paths import atomic_write_text, policy_dir, profile_path, read_json_file, relative, traces_path
+from decoding.paths import atomic_write_text, policy_dir, profile_path, read_json_file, relative, rules_path, traces_path
 from decoding.policies import PerBatchK, parse_policy, resolve_k_max
 from decoding.prompts import load_prompts, per_category
 from decoding.sampling import Sampling
@@ -23,6 +23,7 @@ from env.oracle import (
     load_draft_traces,
     load_profile,
     profile_hardware,
+    trace_temperature,
     train_traces,
     truncate,
 )
@@ -151,15 +152,22 @@ def expand_policies(text: str) -> list[str]:
 
 def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, dict, dict]:
     """This draft's acceptance traces, their meta and the device's cost profile (for the oracle, the
-    batch table and --replay)."""
-    if not sampling.greedy:
-        raise SpecPilotError("the oracle and --replay need greedy decoding (--temperature 0)")
+    batch table and --replay). Sampled decoding reads the traces recorded at its temperature."""
+    temperature = 0.0 if sampling.greedy else sampling.temperature
     profile = load_profile(cfg.profile or profile_path(device_key, draft.name))
-    traces, meta = load_draft_traces(cfg.traces or traces_path(draft.name), draft.name, cfg.max_new_tokens)
+    path = cfg.traces or traces_path(draft.name, temperature)
+    if not sampling.greedy and not cfg.traces and not Path(path).exists():
+        raise SpecPilotError(f"no traces of sampled decoding at temperature {temperature:g} ({path}): record them with "
+                             f"`python scripts/profile_device.py --draft {draft.name} --no-costs --temperature {temperature:g}`")
+    traces, meta = load_draft_traces(path, draft.name, cfg.max_new_tokens)
+    if trace_temperature(meta) != temperature:
+        raise SpecPilotError(f"traces {path} were recorded at temperature {trace_temperature(meta):g}, not {temperature:g}")
     return traces, meta, profile
 
 
 def _oracle(cfg, device_key: str, draft, sampling) -> OracleK:
+    if not sampling.greedy and not cfg.replay:
+        raise SpecPilotError("the oracle's schedule is one continuation's: with sampling it runs in --replay only")
     traces, _, profile = _traces_and_profile(cfg, device_key, draft, sampling)
     return OracleK(traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_new_tokens)
 
@@ -174,11 +182,15 @@ def _batch_table(cfg, device_key: str, draft, sampling) -> BatchTableK:
 def _tuned_rule(cfg, name: str, device_key: str, draft, sampling) -> PerBatchK:
     """`best-rule` or `rule:FAMILY`: the rules tuned on the train split by scripts/tune_rules.py, one
     spelling per batch size (policies/DEVICE/DRAFT/rules.json or --rules)."""
-    path = Path(cfg.rules) if cfg.rules else policy_dir(device_key, draft.name) / "rules.json"
+    temperature = 0.0 if sampling.greedy else sampling.temperature
+    path = Path(cfg.rules) if cfg.rules else rules_path(device_key, draft.name, temperature)
     rules = read_json_file(path, "tuned rules", f"run: python scripts/tune_rules.py --device {device_key} --draft {draft.name}",
                            keys=("draft", "best_rule", "best"))
     if rules.get("draft") != draft.name:
         raise SpecPilotError(f"rules {path} were tuned for draft '{rules.get('draft')}', not '{draft.name}'")
+    if float(rules.get("temperature") or 0.0) != temperature:
+        raise SpecPilotError(f"rules {path} were tuned for temperature {float(rules.get('temperature') or 0.0):g}, "
+                             f"not {temperature:g} (scripts/tune_rules.py --temperature)")
     family = name.partition(":")[2]
     by_batch = rules["best_rule"] if name == "best-rule" else rules["best"].get(family)
     if by_batch is None:

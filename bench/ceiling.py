@@ -34,7 +34,8 @@ from decoding.config import parse_config, run_cli
 from decoding.drafters import match_statistics, ngram_search
 from decoding.errors import SpecPilotError
 from decoding.paths import atomic_write_text, profile_path, slug, traces_path
-from env.oracle import CostModel, Trace, load_profile, load_traces, oracle_schedule, plain_seconds, truncate
+from env.oracle import (CostModel, Trace, load_profile, load_traces, oracle_schedule, plain_seconds, trace_temperature,
+                        truncate)
 
 
 @dataclass
@@ -54,7 +55,8 @@ class CeilingConfig:
     profile: str | None = None
     """Cost profile (default: the device's)."""
     traces: str | None = None
-    """Acceptance traces (default: the draft's)."""
+    """Acceptance traces (default: the draft's greedy ones); sampled traces (profile_device --temperature) give the
+    ceiling of sampled decoding at their temperature."""
     cache: str = "runs/ceiling"
     """Folder of the cached target confidences (one teacher-forced forward per trace, reused on rerun)."""
 
@@ -139,24 +141,29 @@ def token_classes(tokenizer):
 
 
 @torch.inference_mode()
-def target_confidences(target, trace: Trace) -> tuple[list[float], list[float]]:
-    """(top probability, entropy) of the target at each output position, from one teacher-forced forward; the
-    greedy trace's tokens are the target's argmax there (checked)."""
+def target_confidences(target, trace: Trace, temperature: float = 0.0) -> tuple[list[float], list[float]]:
+    """(top probability, entropy) of the target's distribution (at `temperature`, 0: greedy's softmax) at each output
+    position, from one teacher-forced forward; a greedy trace's tokens are the target's argmax there (checked), a
+    sampled trace's have positive probability (checked)."""
     full = torch.tensor([trace.prompt_ids + trace.output_ids], device=target.device)
     n_prompt = len(trace.prompt_ids)
     logits = target.model(input_ids=full).logits[0, n_prompt - 1 : n_prompt - 1 + len(trace.output_ids)].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    if not torch.equal(logp.argmax(-1).cpu(), torch.tensor(trace.output_ids)):
+    logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+    chosen = torch.tensor(trace.output_ids)
+    if temperature > 0:
+        if not bool(torch.isfinite(logp.cpu().gather(1, chosen[:, None])).all()):
+            raise SpecPilotError(f"trace {trace.question_id} holds a token this target cannot sample")
+    elif not torch.equal(logp.argmax(-1).cpu(), chosen):
         raise SpecPilotError(f"trace {trace.question_id} is not this target's greedy output")
     return logp.max(-1).values.exp().tolist(), (-(logp.exp() * logp).sum(-1)).tolist()
 
 
-def cached_confidences(target, traces: list[Trace], path: Path) -> dict:
+def cached_confidences(target, traces: list[Trace], path: Path, temperature: float = 0.0) -> dict:
     """{question_id: (top p, entropy)} for the traces, computed once and kept at `path` (atomic writes)."""
     found = json.loads(path.read_text()) if path.exists() else {}
     missing = [t for t in traces if len(found.get(t.question_id, [[]])[0]) != len(t.output_ids)]
     for n, t in enumerate(missing, 1):
-        found[t.question_id] = [[round(x, 5) for x in v] for v in target_confidences(target, t)]
+        found[t.question_id] = [[round(x, 5) for x in v] for v in target_confidences(target, t, temperature)]
         print(f"\rtarget confidences: {n}/{len(missing)} traces", end="", file=sys.stderr, flush=True)
         if n % 20 == 0 or n == len(missing):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +233,7 @@ def ceiling_main(argv: list[str] | None = None) -> int:
     families = parse_families(cfg.inputs)
     cost = CostModel.from_profile(load_profile(cfg.profile or profile_path(cfg.device, cfg.draft)))
     traces, meta = load_traces(cfg.traces or traces_path(cfg.draft))
+    temperature = trace_temperature(meta)
     splits = meta.get("splits") or {}
     by_split = {s: [truncate(t, cfg.max_new_tokens) for t in traces if splits.get(t.question_id) == s]
                 for s in ("train", "test", "ood", "outside")}
@@ -242,7 +250,8 @@ def ceiling_main(argv: list[str] | None = None) -> int:
                 raise SpecPilotError("--inputs source reads token texts: the target needs a tokenizer")
             classes = token_classes(target.tokenizer)
         if "target" in families:
-            confidences = cached_confidences(target, everything, Path(cfg.cache) / f"confidence-{slug(cfg.draft)}.json")
+            name = traces_path(cfg.draft, temperature).stem.replace("traces-", "confidence-")
+            confidences = cached_confidences(target, everything, Path(cfg.cache) / f"{name}.json", temperature)
     featurize = Featurizer(everything, families, confidences, classes, cfg.max_new_tokens)
     k_max = min(cost.k_max, traces[0].k_max)
     predict = fit_acceptance(by_split["train"], featurize, k_max)
@@ -250,7 +259,8 @@ def ceiling_main(argv: list[str] | None = None) -> int:
               key=lambda v: speedup(by_split["train"], cost, predictive_policy(predict, featurize, v)))
     best_rule = max(((n, k) for n in (1, 2, 3) for k in range(1, k_max + 1)),
                     key=lambda r: speedup(by_split["train"], cost, lambda t, i, s, tab: r[1] if t.match_lens[i] >= r[0] else 0))
-    print(f"one row, {cfg.device} cost profile, {cfg.draft} traces, {cfg.max_new_tokens} tokens, inputs "
+    mode = f"sampled at temperature {temperature:g}" if temperature > 0 else "greedy"
+    print(f"one row, {cfg.device} cost profile, {cfg.draft} traces ({mode}), {cfg.max_new_tokens} tokens, inputs "
           f"{','.join(families)}; lam = {lam} and match:{best_rule[0]}:{best_rule[1]} tuned on the train split")
     print(f"{'split':<8}{'match rule':>12}{'predictive':>12}{'oracle':>9}")
     for split in ("train", "test", "ood", "outside"):

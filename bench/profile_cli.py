@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from decoding.models import ModelDrafter, load_draft, load_target, random_init_t
 from decoding.paths import atomic_write_text, slug, traces_path
 from decoding.policies import DEFAULT_K_MAX
 from decoding.prompts import load_prompts
-from env.oracle import load_traces, record_trace, save_traces
+from decoding.sampling import Sampling
+from env.oracle import load_traces, record_trace, save_traces, trace_temperature
 from env.oracle import load_profile
 from env.profile import profile_costs
 from env.simulate import compare_profiles, save_profile, simulate_profile
@@ -63,6 +65,12 @@ class ProfileConfig:
     prompts in an existing traces file of the same draft, budget and k_max; the others are kept."""
     max_new_tokens: int = 64
     """Tokens per traced prompt."""
+    temperature: float = 0.0
+    """Record the traces of sampled decoding at this temperature (0: greedy). Prompt-lookup drafts only: their
+    proposal is kept exactly when it equals the target's own sample, so one sampled continuation per prompt
+    replays any policy exactly (env/oracle.py). Written to a file of its own, traces-DRAFT-tT.json."""
+    trace_seed: int = 0
+    """Seed of the sampled traces: a prompt's sampler is seeded with this plus the CRC-32 of its question id."""
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
     gemm: str = "linear"
@@ -189,18 +197,22 @@ def _simulate(cfg) -> int:
 
 def _record_traces(cfg, target, draft, out: Path) -> None:
     prompts = load_prompts(cfg.prompts, cfg.trace_split)
-    trace_path = out / traces_path(draft.name).name
+    trace_path = out / traces_path(draft.name, cfg.temperature).name
+    sampling = Sampling(cfg.temperature)
     meta = {"target": target.name, "draft": draft.name, "k_max": cfg.k_max, "max_new_tokens": cfg.max_new_tokens,
             "splits": {}}
+    if not sampling.greedy:
+        meta.update(temperature=cfg.temperature, seed=cfg.trace_seed)
     kept = []
     if trace_path.exists():
         old, old_meta = load_traces(trace_path)
-        if all(old_meta.get(key) == meta[key] for key in ("draft", "k_max", "max_new_tokens")):
+        if (all(old_meta.get(key) == meta.get(key) for key in ("draft", "k_max", "max_new_tokens", "seed"))
+                and trace_temperature(old_meta) == cfg.temperature):
             wanted = {p.question_id for p in prompts}
             kept = [t for t in old if t.question_id not in wanted]
             meta["splits"] = {q: s for q, s in (old_meta.get("splits") or {}).items() if q not in wanted}
     traces = [record_trace(target, draft, target.encode(p.text, chat=True), cfg.max_new_tokens, cfg.k_max,
-                           p.question_id, p.category)
+                           p.question_id, p.category, sampling, cfg.trace_seed + zlib.crc32(p.question_id.encode()))
               for p in tqdm(prompts, desc="traces", disable=not cfg.progress, file=sys.stderr)]
     meta["splits"].update({p.question_id: p.split for p in prompts})
     save_traces(kept + traces, trace_path, meta)

@@ -16,9 +16,9 @@ from decoding.config import at_least, parse_config, parse_ints, warn
 from decoding.errors import SpecPilotError
 from decoding.paths import (
     atomic_write_text,
-    policy_dir,
     profile_path,
     relative,
+    rules_path,
     traces_path,
 )
 from decoding.policies import DEFAULT_K_MAX, LengthPolicy, PerBatchK, parse_policy
@@ -27,6 +27,7 @@ from env.oracle import (
     load_draft_traces,
     load_profile,
     profile_hardware,
+    trace_temperature,
     train_traces,
     truncate,
 )
@@ -48,7 +49,10 @@ class TuneConfig:
     profile: str | None = None
     """Cost profile (default: the device's)."""
     traces: str | None = None
-    """Acceptance traces (default: the draft's); only their train split is used."""
+    """Acceptance traces (default: the draft's at --temperature); only their train split is used."""
+    temperature: float = 0.0
+    """Tune for sampled decoding at this temperature, on the traces recorded at it (profile_device --temperature;
+    prompt-lookup drafts); 0: greedy."""
     batch_sizes: str = "1,2,4,8,16"
     """Batch sizes to tune at (each gets its own best parameters)."""
     max_new_tokens: int = 48
@@ -56,7 +60,7 @@ class TuneConfig:
     k_max: int = DEFAULT_K_MAX
     """Largest k any rule may choose."""
     out: str | None = None
-    """JSON to write (default: policies/DEVICE/DRAFT/rules.json)."""
+    """JSON to write (default: policies/DEVICE/DRAFT/rules.json, rules-tT.json for a temperature T > 0)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -128,16 +132,19 @@ def tune_main(argv: list[str] | None = None) -> int:
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
     source = Path(cfg.profile) if cfg.profile else profile_path(cfg.device, cfg.draft)
     profile = load_profile(source)
-    traces, meta = load_draft_traces(cfg.traces or traces_path(cfg.draft), cfg.draft, cfg.max_new_tokens)
+    path = cfg.traces or traces_path(cfg.draft, cfg.temperature)
+    traces, meta = load_draft_traces(path, cfg.draft, cfg.max_new_tokens)
+    if trace_temperature(meta) != cfg.temperature:
+        raise SpecPilotError(f"traces {path} were recorded at temperature {trace_temperature(meta):g}, not {cfg.temperature:g}")
     traces = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
     if max(sizes) > 1 and not profile.get("batch_sizes"):
         raise SpecPilotError(f"the cost profile {source} has no batch sizes; rerun scripts/profile_device.py")
     warn(CostModel.from_profile(profile).outside(sizes))
     result = tune_rules(traces, profile, cfg.draft, cfg.k_max, profile_hardware(profile), sizes, cfg.max_new_tokens,
                         cfg.progress)
-    out = Path(cfg.out) if cfg.out else policy_dir(cfg.device, cfg.draft) / "rules.json"
+    out = Path(cfg.out) if cfg.out else rules_path(cfg.device, cfg.draft, cfg.temperature)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"device": cfg.device, "draft": cfg.draft, "split": "train", "traces": len(traces),
+    doc = {"device": cfg.device, "draft": cfg.draft, "temperature": cfg.temperature, "split": "train", "traces": len(traces),
            "profile": relative(source), "max_new_tokens": cfg.max_new_tokens, "k_max": cfg.k_max,
            "note": "per batch size, each engine rule's best spelling on the train-split replay (noise-free); "
                    "best_rule: the best of them", **result}

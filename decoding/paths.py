@@ -22,9 +22,17 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-def traces_path(draft_name: str) -> Path:
-    """profiles/traces-DRAFT.json: the greedy acceptance traces recorded with this draft."""
-    return PROFILES / f"traces-{slug(draft_name)}.json"
+def traces_path(draft_name: str, temperature: float = 0.0) -> Path:
+    """profiles/traces-DRAFT.json: the greedy acceptance traces recorded with this draft; traces-DRAFT-tT.json
+    those of sampled decoding at temperature T."""
+    suffix = f"-t{temperature:g}" if temperature > 0 else ""
+    return PROFILES / f"traces-{slug(draft_name)}{suffix}.json"
+
+
+def rules_path(device_key: str, draft_name: str, temperature: float = 0.0) -> Path:
+    """policies/DEVICE/DRAFT/rules.json: the rules tuned on greedy traces; rules-tT.json on sampled ones at T."""
+    suffix = f"-t{temperature:g}" if temperature > 0 else ""
+    return policy_dir(device_key, draft_name) / f"rules{suffix}.json"
 
 
 def profile_path(device_key: str, draft_name: str | None = None) -> Path:

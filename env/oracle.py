@@ -8,6 +8,13 @@ plus the draft-side features of the proposal (confidences, entropies, n-gram mat
 For any policy the step from i with k drafts k' = min(k, a(i)) tokens and accepts min(k', m(i)).
 With a device cost model t(k', context) the minimum-time schedule is the dynamic program
   T(i) = min_k [ t(k', i) + T(i + min(k', m(i)) + 1) ],   T(n) = 0.
+
+Sampled decoding with a deterministic draft (prompt lookup) replays exactly too. Its proposal is a point
+mass q = 1 on token x, so rejection sampling keeps x with probability p(x) and otherwise draws from p with x
+removed: the same law as drawing y ~ p and keeping x iff y == x. A speculative run is then a function of one
+sampled continuation, the one plain sampling would give, and a trace of that continuation (`record_trace`
+with a `Sampling`) yields m(i) and a(i) exactly as above; averaged over prompts (one draw each) it estimates the
+expected time of any policy without bias. A model draft samples its proposals, so its traces stay greedy.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch
 
 from decoding.drafters import NgramDrafter
 from decoding.errors import SpecPilotError
-from decoding.paths import read_json_file
+from decoding.paths import atomic_write_text, read_json_file
 from decoding.loop import generate
 from decoding.policies import LengthPolicy, NoSpeculation
 from decoding.sampling import Sampling
@@ -28,7 +35,7 @@ from decoding.sampling import Sampling
 
 @dataclass
 class Trace:
-    """Greedy acceptance trace of one prompt."""
+    """Acceptance trace of one prompt: greedy, or one sampled continuation with a prompt-lookup draft."""
 
     question_id: str
     category: str
@@ -49,9 +56,13 @@ class Trace:
 
 @torch.inference_mode()
 def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_max: int,
-                 question_id: str = "", category: str = "") -> Trace:
-    """Plain greedy decoding of the prompt, then the draft's K-token proposal at every position."""
-    output = generate(target, None, NoSpeculation(), prompt_ids, max_new_tokens).token_ids
+                 question_id: str = "", category: str = "", sampling: Sampling = Sampling(), seed: int = 0) -> Trace:
+    """Plain decoding of the prompt (greedy, or sampled with `sampling` and `seed`), then the draft's K-token
+    proposal at every position. Sampled traces need a deterministic draft (prompt lookup; module docstring)."""
+    if not sampling.greedy and not isinstance(draft, NgramDrafter):
+        raise SpecPilotError(f"a sampled trace needs a prompt-lookup draft (ngram:N), got '{draft.name}': a model "
+                             "draft samples its proposals, so one continuation does not fix its acceptance")
+    output = generate(target, None, NoSpeculation(), prompt_ids, max_new_tokens, sampling, seed).token_ids
     full = torch.tensor(list(prompt_ids) + output, dtype=torch.long, device=target.device)
     n_prompt = len(prompt_ids)
     hidden = None
@@ -82,7 +93,12 @@ def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_ma
 
 def save_traces(traces: list[Trace], path: str | Path, meta: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"meta": meta, "traces": [asdict(t) for t in traces]}))
+    atomic_write_text(Path(path), json.dumps({"meta": meta, "traces": [asdict(t) for t in traces]}))
+
+
+def trace_temperature(meta: dict) -> float:
+    """The sampling temperature the traces were recorded at (0: greedy; files from before it was recorded)."""
+    return float(meta.get("temperature") or 0.0)
 
 
 def load_traces(path: str | Path) -> tuple[list[Trace], dict]:

@@ -157,3 +157,34 @@ def write_prompts(folder):
     path.write_text("".join(json.dumps({"question_id": q, "category": "c", "split": "train", "turns": ["hi"]}) + "\n"
                             for q in ("t0", "t1")))
     return path
+
+
+def test_rules_are_tuned_and_read_per_temperature(tmp_path):
+    """Rules tuned on sampled traces record their temperature; the benchmark takes them only for that temperature,
+    and tuning refuses traces of another one (a one-line error, exit code 2)."""
+    import json
+
+    from test_batch_policy import K_MAX, batch_profile, full_match_trace
+
+    from bench.benchmark_cli import benchmark_main
+    from bench.tune_cli import tune_main
+    from decoding.config import run_cli
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({**batch_profile(), "device": "cpu"}))
+    traces = tmp_path / "traces.json"
+    traces.write_text(json.dumps({"meta": {"draft": "ngram:3", "target": "t", "max_new_tokens": 20, "temperature": 0.7,
+                                           "seed": 0, "splits": {"t0": "train", "t1": "train"}},
+                                  "traces": [full_match_trace(q).__dict__ for q in ("t0", "t1")]}))
+    common = ["--profile", str(profile), "--traces", str(traces), "--batch-sizes", "1", "--k-max", str(K_MAX),
+              "--max-new-tokens", "20", "--no-progress"]
+    assert run_cli(tune_main, common + ["--out", str(tmp_path / "greedy.json")]) == 2  # greedy asked, 0.7 recorded
+    rules = tmp_path / "rules-t0.7.json"
+    assert tune_main(common + ["--temperature", "0.7", "--out", str(rules)]) == 0
+    assert json.loads(rules.read_text())["temperature"] == 0.7
+    bench = common + ["--device", "cpu", "--draft", "ngram:3", "--split", "all", "--replay", "--rules", str(rules),
+                      "--policies", "none,best-rule", "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "out")]
+    assert benchmark_main(bench + ["--temperature", "0.7"]) == 0
+    written = json.loads((tmp_path / "out" / "replay_batch.json").read_text())
+    assert written["results"]["1"]["best-rule"]["speedup"] > 1.0  # every draft accepted in these traces
+    assert run_cli(benchmark_main, bench) == 2  # greedy decoding: neither these traces nor these rules

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import itertools
 import random
+import zlib
 
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from conftest import tiny_target
 
 from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.errors import SpecPilotError
 from decoding.loop import generate
 from decoding.policies import NoSpeculation, StaticK
+from decoding.sampling import Sampling
 from env import REPLAY_ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
 from env.oracle import CostModel, OracleK, Trace, oracle_schedule, record_trace
 
@@ -226,7 +230,6 @@ def test_cost_jitter_reprices_each_k_per_episode_and_keeps_the_reward_exact():
     """With cost_jitter, a step drafting k >= 1 costs the profile's price times that episode's factor for k (the
     same factor on every step of the episode, another one next episode), a plain step its profile price; the
     return stays the time saved against plain decoding, so the jitter moves costs, not the reward's meaning."""
-    from decoding.errors import SpecPilotError
 
     trace = random_trace(random.Random(3), 30)
     cost = hand_cost()
@@ -258,7 +261,6 @@ def test_cost_jitter_reprices_each_k_per_episode_and_keeps_the_reward_exact():
 def test_replay_evaluate_prices_each_k_by_a_given_cost_shape():
     """replay_evaluate(shape=...): every step drafting k' tokens costs the profile's price times shape[k'] (a
     brute-force walk of the trace), plain decoding keeps its price; cost_shape draws such factors, 1 at k = 0."""
-    from decoding.errors import SpecPilotError
     from env.replay_env import cost_shape, replay_evaluate
 
     trace, cost = random_trace(random.Random(5), 40), hand_cost()
@@ -311,3 +313,81 @@ def test_hindsight_q_is_the_oracle_and_prices_what_the_replay_env_steps():
         assert seconds == pytest.approx(q[0, start_k])
     short = hindsight_q(trace, cost, 4, budget=12)
     assert short.shape == (12, 5) and short[0].min() == pytest.approx(oracle_schedule(truncate(trace, 12), cost, 4)[0])
+
+
+def replay_steps(trace: Trace, k: int) -> int:
+    """Steps static:k takes on a trace: from i it drafts min(k, a(i), n - i - 1) and keeps min(that, m(i)) + 1."""
+    i, steps, n = 0, 0, len(trace.output_ids)
+    while i < n:
+        drafted = min(k, trace.available[i], n - i - 1)
+        i += min(drafted, trace.matches[i]) + 1
+        steps += 1
+    return steps
+
+
+def mean_gap(a: list[int], b: list[int]) -> float:
+    """(mean a - mean b) in standard errors of the difference."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    return float((a.mean() - b.mean()) / np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
+
+
+def test_sampled_traces_replay_speculative_sampling(tiny_pair, monkeypatch):
+    """With prompt lookup, speculative sampling is a function of one sampled continuation (env/oracle.py): the
+    steps static:3 takes in the real loop, over many seeds, have the mean of its replay on sampled traces. A
+    verifier that keeps a drafted token only when it is the target's argmax (a greedy check left in the
+    sampling path) is caught by the same statistic."""
+    import decoding.loop as loop
+
+    target = tiny_target(tiny_pair[0])
+    draft = NgramDrafter(2)
+    prompt = [5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9, 13, 2]
+    sampling, n, runs = Sampling(temperature=0.3), 16, 150
+    traces = [record_trace(target, draft, prompt, n, 4, sampling=sampling, seed=10_000 + s) for s in range(runs)]
+    assert len({tuple(t.output_ids) for t in traces}) > 10  # the continuations do differ
+    assert traces[0].output_ids == generate(target, None, NoSpeculation(), prompt, n, sampling, seed=10_000).token_ids
+    replayed = [replay_steps(t, 3) for t in traces]
+    real = [len(generate(target, draft, StaticK(3), prompt, n, sampling, seed=s).steps) for s in range(runs)]
+    assert abs(mean_gap(real, replayed)) < 3.5, (np.mean(real), np.mean(replayed))
+
+    def argmax_only(tokens, draft_probs, target_probs, generator):
+        top = target_probs.argmax(-1)
+        keep = int((tokens == top[: len(tokens)]).int().cumprod(0).sum()) if len(tokens) else 0
+        return keep, torch.cat([tokens[:keep], top[keep].reshape(1)])
+
+    monkeypatch.setattr(loop, "verify_sampling", argmax_only)
+    broken = [len(generate(target, draft, StaticK(3), prompt, n, sampling, seed=s).steps) for s in range(runs)]
+    assert abs(mean_gap(broken, replayed)) > 5, (np.mean(broken), np.mean(replayed))
+
+
+def test_sampled_trace_needs_a_deterministic_draft(tiny_pair):
+    target, draft_model = tiny_pair
+    draft = ModelDrafter(draft_model, "perturbed", target.config.vocab_size)
+    with pytest.raises(SpecPilotError, match="prompt-lookup"):
+        record_trace(tiny_target(target), draft, [5, 9, 13], 4, 4, sampling=Sampling(temperature=1.0))
+
+
+def test_profile_records_sampled_traces_beside_the_greedy_ones(tiny_model_dirs, tmp_path):
+    """`profile_device --temperature T` writes traces-DRAFT-tT.json (its meta: temperature and seed), each trace the
+    seeded sampled continuation; the greedy traces stay untouched; a model draft is refused."""
+    import json
+
+    from bench.profile_cli import profile_main
+    from decoding.config import run_cli
+    from decoding.models import load_target
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": f"q{i}", "category": "c", "split": "train",
+                                           "turns": [text]}) + "\n" for i, text in enumerate(["abcabcabc", "hello hello"])))
+    args = ["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", "ngram:2", "--k-max", "4",
+            "--prompts", str(prompts), "--max-new-tokens", "10", "--no-costs", "--no-progress", "--out", str(tmp_path)]
+    assert profile_main(args) == 0
+    assert profile_main(args + ["--temperature", "1.5", "--trace-seed", "3"]) == 0
+    greedy = json.loads((tmp_path / "traces-ngram-2.json").read_text())
+    sampled = json.loads((tmp_path / "traces-ngram-2-t1.5.json").read_text())
+    assert "temperature" not in greedy["meta"] and (sampled["meta"]["temperature"], sampled["meta"]["seed"]) == (1.5, 3)
+    target = load_target(tiny_model_dirs["target"], "float32", "cpu")
+    for t in sampled["traces"]:
+        seed = 3 + zlib.crc32(t["question_id"].encode())
+        assert t["output_ids"] == generate(target, None, NoSpeculation(), t["prompt_ids"], 10, Sampling(1.5), seed).token_ids
+    assert [t["output_ids"] for t in sampled["traces"]] != [t["output_ids"] for t in greedy["traces"]]
+    assert run_cli(profile_main, args[:4] + ["--draft", tiny_model_dirs["draft"]] + args[6:] + ["--temperature", "1"]) == 2
