@@ -225,6 +225,12 @@ def write_results(out_dir: str | Path, runs: list, summary: dict, meta: dict, na
     return atomic_write_text(path, json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
 
 
+def decoding_mode(meta: dict) -> str:
+    """How a report's runs decoded: greedy, or sampled at the meta's temperature."""
+    t = float(meta.get("temperature") or 0.0)
+    return f"sampled at temperature {t:g} (outputs differ from plain decoding's by design: no token check)" if t > 0 else "greedy"
+
+
 def markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> str:
     """A report page: how it was made, the overall table, speedup per category, the plot."""
     t = summary["table"]
@@ -232,7 +238,7 @@ def markdown_report(summary: dict, meta: dict, plot_name: str, command: str) -> 
     lines = [f"# Benchmark: {meta.get('hardware')} ({meta.get('device')})", "",
              f"Regenerate with: `{command}`", "",
              f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split) "
-             f"x {meta.get('repeats')} repeats; {meta.get('max_new_tokens')} new tokens; greedy; same process, interleaved, medians.", "",
+             f"x {meta.get('repeats')} repeats; {meta.get('max_new_tokens')} new tokens; {decoding_mode(meta)}; same process, interleaved, medians.", "",
              "| policy | tokens/s | speedup | accept rate | mean k | mean accepted | overhead % | tokens unlike plain |" + (" fraction of oracle |" if oracle else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|" if oracle else "")]
     for policy in summary["policies"]:
@@ -349,7 +355,7 @@ def batch_markdown_report(summary: dict, meta: dict, plot_name: str, command: st
     sizes = summary["batch_sizes"]
     lines = [f"# Batched benchmark: {meta.get('hardware')} ({meta.get('device')})", "", f"Regenerate with: `{command}`", "",
              f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split), "
-             f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; greedy; every policy on the same batches, "
+             f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; {decoding_mode(meta)}; every policy on the same batches, "
              "interleaved. Cells: tokens/s of all rows (speedup over plain decoding at that batch size).", "",
              "| policy | " + " | ".join(f"B={b}" for b in sizes) + " | tokens unlike plain |", "|---|" + "---|" * (len(sizes) + 1)]
     for policy in summary["policies"]:
@@ -396,7 +402,7 @@ def loads_markdown_report(summary: dict, meta: dict, plot_name: str, command: st
     lines = [f"# Benchmark under background load: {meta.get('hardware')} ({meta.get('device')})", "",
              f"Regenerate with: `{command}`", "",
              f"target {meta.get('target')}; draft {meta.get('draft')}; {meta.get('prompts')} prompts ({meta.get('split')} split), "
-             f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; greedy; {meta.get('repeats')} repeats. "
+             f"taken B at a time; {meta.get('max_new_tokens')} new tokens per row; {decoding_mode(meta)}; {meta.get('repeats')} repeats. "
              "Each repeat runs every policy on the same batches under each load in turn (the order rotating between "
              "repeats; the load started by the benchmark before its pass and stopped after it, env/load.py). "
              "Cells: speedup over plain decoding *under the same load*, paired within each repeat: geometric mean "

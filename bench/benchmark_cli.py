@@ -273,7 +273,8 @@ def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     summary = summarize_loads(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
-            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "device": device_key, "hardware": hardware_name,
             "batch_sizes": sizes, "loads": loads, "policies": _policy_sources(policies)}
     path = _save(cfg, argv, runs, summary, meta, "load_", lambda png: plot_load_benchmark(summary, png),
                  loads_markdown_report)
@@ -293,7 +294,8 @@ def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     summary = summarize_batches(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
-            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "device": device_key, "hardware": hardware_name,
             "batch_sizes": sizes, "policies": _policy_sources(policies)}
     path = _save(cfg, argv, runs, summary, meta, "batch_", lambda png: plot_batch_benchmark(summary, png),
                  batch_markdown_report)
@@ -451,7 +453,8 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
-            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "device": device_key, "hardware": hardware_name,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "device": device_key, "hardware": hardware_name,
             "policies": _policy_sources(policies)}
     path = _save(cfg, argv, runs, summary, meta, "", lambda png: plot_benchmark(summary, runs, png), markdown_report)
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) x {cfg.repeats} | "

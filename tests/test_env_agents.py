@@ -534,6 +534,12 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
     out = capsys.readouterr().out
     assert "B=3" in out and "(paired)" in out and (tmp_path / "reports" / "batch.png").exists()
     assert "within each of the 2 repeats" in (tmp_path / "reports" / "batch.md").read_text()
+    assert "new tokens per row; greedy;" in (tmp_path / "reports" / "batch.md").read_text()
+    code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--prompts", str(prompts),
+                           "--policies", "none,static:2", "--k-max", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2",
+                           "--temperature", "1.0", "--out", str(tmp_path / "sampled"),
+                           "--report", str(tmp_path / "reports" / "sampled.md"), "--no-progress"])
+    assert code == 0 and "new tokens per row; sampled at temperature 1 (" in (tmp_path / "reports" / "sampled.md").read_text()
     code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--prompts", str(prompts),
                            "--policies", f"none,static:1..2,heuristic,confidence:0.5,learned:{policy_dir(trained)},oracle",
                            "--k-max", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "bench"),
