@@ -23,7 +23,6 @@ from env.oracle import (
     load_draft_traces,
     load_profile,
     profile_hardware,
-    trace_temperature,
     train_traces,
     truncate,
 )
@@ -153,15 +152,9 @@ def expand_policies(text: str) -> list[str]:
 def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, dict, dict]:
     """This draft's acceptance traces, their meta and the device's cost profile (for the oracle, the
     batch table and --replay). Sampled decoding reads the traces recorded at its temperature."""
-    temperature = 0.0 if sampling.greedy else sampling.temperature
     profile = load_profile(cfg.profile or profile_path(device_key, draft.name))
-    path = cfg.traces or traces_path(draft.name, temperature)
-    if not sampling.greedy and not cfg.traces and not Path(path).exists():
-        raise SpecPilotError(f"no traces of sampled decoding at temperature {temperature:g} ({path}): record them with "
-                             f"`python scripts/profile_device.py --draft {draft.name} --no-costs --temperature {temperature:g}`")
-    traces, meta = load_draft_traces(path, draft.name, cfg.max_new_tokens)
-    if trace_temperature(meta) != temperature:
-        raise SpecPilotError(f"traces {path} were recorded at temperature {trace_temperature(meta):g}, not {temperature:g}")
+    traces, meta = load_draft_traces(cfg.traces or traces_path(draft.name, sampling.temperature), draft.name,
+                                     cfg.max_new_tokens, sampling.temperature)
     return traces, meta, profile
 
 
@@ -182,7 +175,7 @@ def _batch_table(cfg, device_key: str, draft, sampling) -> BatchTableK:
 def _tuned_rule(cfg, name: str, device_key: str, draft, sampling) -> PerBatchK:
     """`best-rule` or `rule:FAMILY`: the rules tuned on the train split by scripts/tune_rules.py, one
     spelling per batch size (policies/DEVICE/DRAFT/rules.json or --rules)."""
-    temperature = 0.0 if sampling.greedy else sampling.temperature
+    temperature = sampling.temperature  # 0 for greedy decoding
     path = Path(cfg.rules) if cfg.rules else rules_path(device_key, draft.name, temperature)
     rules = read_json_file(path, "tuned rules", f"run: python scripts/tune_rules.py --device {device_key} --draft {draft.name}",
                            keys=("draft", "best_rule", "best"))

@@ -33,7 +33,7 @@ import torch
 from decoding.config import parse_config, run_cli
 from decoding.drafters import match_statistics, ngram_search
 from decoding.errors import SpecPilotError
-from decoding.paths import atomic_write_text, profile_path, slug, traces_path
+from decoding.paths import atomic_write_text, profile_path, slug, temperature_suffix, traces_path
 from env.oracle import (CostModel, Trace, load_profile, load_traces, oracle_schedule, plain_seconds, trace_temperature,
                         truncate)
 
@@ -250,8 +250,8 @@ def ceiling_main(argv: list[str] | None = None) -> int:
                 raise SpecPilotError("--inputs source reads token texts: the target needs a tokenizer")
             classes = token_classes(target.tokenizer)
         if "target" in families:
-            name = traces_path(cfg.draft, temperature).stem.replace("traces-", "confidence-")
-            confidences = cached_confidences(target, everything, Path(cfg.cache) / f"{name}.json", temperature)
+            name = f"confidence-{slug(cfg.draft)}{temperature_suffix(temperature)}.json"
+            confidences = cached_confidences(target, everything, Path(cfg.cache) / name, temperature)
     featurize = Featurizer(everything, families, confidences, classes, cfg.max_new_tokens)
     k_max = min(cost.k_max, traces[0].k_max)
     predict = fit_acceptance(by_split["train"], featurize, k_max)

@@ -27,7 +27,6 @@ from env.oracle import (
     load_draft_traces,
     load_profile,
     profile_hardware,
-    trace_temperature,
     train_traces,
     truncate,
 )
@@ -132,10 +131,8 @@ def tune_main(argv: list[str] | None = None) -> int:
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
     source = Path(cfg.profile) if cfg.profile else profile_path(cfg.device, cfg.draft)
     profile = load_profile(source)
-    path = cfg.traces or traces_path(cfg.draft, cfg.temperature)
-    traces, meta = load_draft_traces(path, cfg.draft, cfg.max_new_tokens)
-    if trace_temperature(meta) != cfg.temperature:
-        raise SpecPilotError(f"traces {path} were recorded at temperature {trace_temperature(meta):g}, not {cfg.temperature:g}")
+    traces, meta = load_draft_traces(cfg.traces or traces_path(cfg.draft, cfg.temperature), cfg.draft, cfg.max_new_tokens,
+                                     cfg.temperature)
     traces = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
     if max(sizes) > 1 and not profile.get("batch_sizes"):
         raise SpecPilotError(f"the cost profile {source} has no batch sizes; rerun scripts/profile_device.py")

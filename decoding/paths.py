@@ -25,14 +25,17 @@ def slug(text: str) -> str:
 def traces_path(draft_name: str, temperature: float = 0.0) -> Path:
     """profiles/traces-DRAFT.json: the greedy acceptance traces recorded with this draft; traces-DRAFT-tT.json
     those of sampled decoding at temperature T."""
-    suffix = f"-t{temperature:g}" if temperature > 0 else ""
-    return PROFILES / f"traces-{slug(draft_name)}{suffix}.json"
+    return PROFILES / f"traces-{slug(draft_name)}{temperature_suffix(temperature)}.json"
 
 
 def rules_path(device_key: str, draft_name: str, temperature: float = 0.0) -> Path:
     """policies/DEVICE/DRAFT/rules.json: the rules tuned on greedy traces; rules-tT.json on sampled ones at T."""
-    suffix = f"-t{temperature:g}" if temperature > 0 else ""
-    return policy_dir(device_key, draft_name) / f"rules{suffix}.json"
+    return policy_dir(device_key, draft_name) / f"rules{temperature_suffix(temperature)}.json"
+
+
+def temperature_suffix(temperature: float) -> str:
+    """'' for greedy decoding, '-tT' for sampling at temperature T: the file-name mark of sampled traces and rules."""
+    return f"-t{temperature:g}" if temperature > 0 else ""
 
 
 def profile_path(device_key: str, draft_name: str | None = None) -> Path:

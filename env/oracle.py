@@ -117,13 +117,18 @@ def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
     return traces, data.get("meta", {})
 
 
-def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0) -> tuple[list[Trace], dict]:
-    """The traces at `path`, checked to be this draft's and to hold at least `min_tokens` per prompt."""
+def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0,
+                      temperature: float | None = None) -> tuple[list[Trace], dict]:
+    """The traces at `path`, checked to be this draft's, to hold at least `min_tokens` per prompt and, unless
+    `temperature` is None, to be recorded at that temperature (0: greedy)."""
     traces, meta = load_traces(path)
     if meta.get("draft") != draft_name:
         raise SpecPilotError(f"traces {path} were recorded with draft '{meta.get('draft')}', not '{draft_name}'")
     if meta.get("max_new_tokens", 0) < min_tokens:
         raise SpecPilotError(f"traces {path} hold {meta.get('max_new_tokens')} tokens per prompt, fewer than {min_tokens}")
+    if temperature is not None and trace_temperature(meta) != temperature:
+        raise SpecPilotError(f"traces {path} were recorded at temperature {trace_temperature(meta):g}, not {temperature:g} "
+                             "(scripts/profile_device.py --no-costs --temperature T records them)")
     return traces, meta
 
 
