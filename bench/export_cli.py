@@ -48,10 +48,18 @@ class ExportVllmConfig:
     """Accept a learned policy trained on another device."""
     out: str | None = None
     """JSON file to write (default: policies/DEVICE/DRAFT/vllm_table.json, beside the policy); the TensorRT-LLM
-    draft_len_schedule goes beside it (trtllm_schedule.json)."""
+    draft_len_schedule goes beside it, named after it (vllm_table*.json -> trtllm_schedule*.json, else
+    NAME-trtllm_schedule.json), so exports of two policies into one folder keep both schedules."""
     context_lens: str = ""
     """Add a context-length axis at these lengths (e.g. 512,4096,16384): 5-item entries [start_bs, end_bs,
     start_ctx, end_ctx, k] (vLLM PR 48944), the policy queried with its rows at each length."""
+
+
+def schedule_path(table: Path) -> Path:
+    """Where the TensorRT-LLM schedule of the vLLM table `table` goes: beside it, named after it."""
+    if "vllm_table" in table.name:
+        return table.with_name(table.name.replace("vllm_table", "trtllm_schedule"))
+    return table.with_name(f"{table.stem}-trtllm_schedule.json")
 
 
 def export_vllm_main(argv: list[str] | None = None) -> int:
@@ -103,7 +111,7 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
                 "note": "TensorRT-LLM: batch size -> draft length, a key covering the sizes up to it; above the largest "
                         f"key speculation is off. From {result['policy']} on {device}.",
                 "device": device, "draft": meta.get("draft")}
-    atomic_write_text(out.with_name("trtllm_schedule.json"), json.dumps(schedule, indent=1) + "\n")
+    atomic_write_text(schedule_path(out), json.dumps(schedule, indent=1) + "\n")
     print(json.dumps({"num_speculative_tokens": result["num_speculative_tokens"],
                       "num_speculative_tokens_per_batch_size": ranges}))
     print(f"written: {out}")

@@ -120,7 +120,7 @@ def gemm_main(argv: list[str] | None = None) -> int:
     at_least(1, repeats=cfg.repeats, context_len=cfg.context_len)
     at_least(0, k_max=cfg.k_max, check_tokens=cfg.check_tokens)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
-    target = load_target(cfg.target, "float32", "cpu")
+    target = load_target(cfg.target, "float32", "cpu", gemm="linear")
     prompt_ids = target.encode(load_prompts(None)[0].text, chat=True)
     seconds = time_paths(target, prompt_ids, sizes, cfg.k_max, cfg.context_len, cfg.repeats, cfg.progress)
     rows = summarize(seconds, sizes, cfg.k_max)

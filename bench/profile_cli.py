@@ -73,9 +73,10 @@ class ProfileConfig:
     """Seed of the sampled traces: a prompt's sampler is seeded with this plus the CRC-32 of its question id."""
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
-    gemm: str = "linear"
-    """CPU fp32 matrix products: linear (torch's) | small-rows (decoding.models.SmallRowLinear, W @ x^T for 2-4
-    rows: cheaper verify passes of 1-3 drafted tokens on this CPU; `python -m bench.gemm` times both)."""
+    gemm: str = "auto"
+    """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
+    (decoding.models.SmallRowLinear, W @ x^T for 2-4 rows: cheaper verify passes of 1-3 drafted tokens on this
+    CPU; `python -m bench.gemm` times both)."""
     out: str = "profiles"
     """Folder for <device>.json, <device>.png and the traces."""
     progress: bool = True

@@ -183,7 +183,9 @@ class SmallRowLinear(torch.nn.Linear):
     tokens cost 1.65-2.0x a plain step). Handed over the other way round, W (out x in) times x^T (in x rows), a
     verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m bench.gemm`, ninth stop of reports/README.md);
     at one row and at 5 or more rows that way was no faster or slower there, so those keep nn.Linear's path, as do
-    other dtypes and devices. Same numbers up to float summation order."""
+    other dtypes and devices. Same numbers up to float summation order. The product is returned contiguous: handed
+    on transposed, the projections' outputs sent attention down a path whose cost grows with the context (at 2,048
+    tokens two rows' plain step 0.75x and four rows' 0.58x as fast as nn.Linear's, eleventh stop)."""
 
     min_rows: int = 2
     """Fewest rows (batch x tokens) taken the other way round."""
@@ -194,7 +196,7 @@ class SmallRowLinear(torch.nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if self.min_rows <= rows <= self.max_rows and x.dtype == torch.float32 \
                 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
-            y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
+            y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*x.shape[:-1], self.out_features)
@@ -254,13 +256,23 @@ def resolve_torch_device(name: str) -> str:
     return torch_device_of(name)
 
 
-GEMM_PATHS = ("linear", "small-rows")
+GEMM_PATHS = ("auto", "linear", "small-rows")
 
 
-def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto", gemm: str = "linear") -> Target:
+def resolve_gemm(gemm: str, device: str) -> str:
+    """auto -> small-rows on the CPU (where `python -m bench.gemm` measured it faster), linear elsewhere."""
+    if gemm not in GEMM_PATHS:
+        raise SpecPilotError(f"--gemm must be one of {', '.join(GEMM_PATHS)}, got '{gemm}'")
+    if gemm == "auto":
+        return "small-rows" if str(device) == "cpu" else "linear"
+    return gemm
+
+
+def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto", gemm: str = "auto") -> Target:
     """The target: 'embedded', a hub id, a folder, a .gguf file, or random:CONFIG (random init, for the GPU
-    check's plumbing and cost profiling: no weights to download). `gemm` (GEMM_PATHS): small-rows runs its linear
-    layers as SmallRowLinear, and says so in the target's name (so reports and profiles record it)."""
+    check's plumbing and cost profiling: no weights to download). `gemm` (GEMM_PATHS, see resolve_gemm):
+    small-rows runs its linear layers as SmallRowLinear, and says so in the target's name (so reports and
+    profiles record it)."""
     if gemm not in GEMM_PATHS:
         raise SpecPilotError(f"--gemm must be one of {', '.join(GEMM_PATHS)}, got '{gemm}'")
     if spec and spec.startswith("random:"):
@@ -269,7 +281,7 @@ def load_target(spec: str | None = None, dtype: str = "auto", device: str = "aut
         device = resolve_torch_device(device)
         model, tokenizer, name = load_model(spec, resolve_dtype(dtype, device), device)
         target = Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
-    if gemm == "small-rows":
+    if resolve_gemm(gemm, str(target.model.device)) == "small-rows":
         use_small_row_gemm(target.model)
         target.name += " [small-rows gemm]"
     return target

@@ -152,7 +152,14 @@ def test_export_vllm_table_cli(tmp_path, capsys):
     assert ranges[0][0] == 1 and ranges[-1][1] == 20
     assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
     # TensorRT-LLM's schedule beside it: k up to the last size that drafts, off above
-    assert json.loads((tmp_path / "trtllm_schedule.json").read_text())["draft_len_schedule"] == {"15": K_MAX}
+    assert json.loads((tmp_path / "vllm-trtllm_schedule.json").read_text())["draft_len_schedule"] == {"15": K_MAX}
+    # a second policy's export into the same folder keeps the first one's schedule
+    other = tmp_path / "vllm_table_static.json"
+    assert run_cli(export_vllm_main, ["--policy", "static:0", "--device", "cpu", "--profile", str(profile_path),
+                                      "--traces", str(traces_path), "--k-max", str(K_MAX), "--max-batch", "20",
+                                      "--episodes", "2", "--out", str(other)]) == 0
+    assert json.loads((tmp_path / "trtllm_schedule_static.json").read_text())["draft_len_schedule"] == {}
+    assert json.loads((tmp_path / "vllm-trtllm_schedule.json").read_text())["draft_len_schedule"] == {"15": K_MAX}
     code = run_cli(export_vllm_main, ["--policy", "batch-table", "--device", "cpu", "--profile", str(profile_path),
                                       "--traces", str(traces_path), "--k-max", str(K_MAX), "--max-batch", "20",
                                       "--episodes", "2", "--out", str(out), "--context-lens", "64,512"])

@@ -21,6 +21,7 @@ def test_small_rows_compute_what_linear_computes():
             x = torch.randn(shape)
             want, got = linear(x), small(x)
             assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+            assert got.is_contiguous()  # a transposed view sends attention down a slow path at long contexts
         # the comparison sees a product taken the wrong way round (W^T @ x^T on a square layer)
         square = SmallRowLinear(48, 48, bias=False)
         x = torch.randn(2, 48)
@@ -86,5 +87,17 @@ def test_an_unknown_gemm_path_is_one_line_error():
     from decoding.errors import SpecPilotError
     from decoding.models import load_target
 
-    with pytest.raises(SpecPilotError, match="--gemm must be one of linear, small-rows"):
+    with pytest.raises(SpecPilotError, match="--gemm must be one of auto, linear, small-rows"):
         load_target("embedded", gemm="fast")
+
+
+def test_auto_takes_small_rows_on_the_cpu_only(tiny_model_dirs):
+    from decoding.models import load_target, resolve_gemm
+
+    assert [resolve_gemm("auto", d) for d in ("cpu", "cuda:0", "cuda")] == ["small-rows", "linear", "linear"]
+    assert resolve_gemm("linear", "cpu") == "linear" and resolve_gemm("small-rows", "cuda:0") == "small-rows"
+    default = load_target(tiny_model_dirs["target"], "float32", "cpu")
+    assert any(type(m) is SmallRowLinear for m in default.model.modules()) and default.name.endswith("[small-rows gemm]")
+    torch_path = load_target(tiny_model_dirs["target"], "float32", "cpu", gemm="linear")
+    assert not any(type(m) is SmallRowLinear for m in torch_path.model.modules())
+    assert "small-rows" not in torch_path.name
