@@ -273,15 +273,14 @@ def load_target(spec: str | None = None, dtype: str = "auto", device: str = "aut
     check's plumbing and cost profiling: no weights to download). `gemm` (GEMM_PATHS, see resolve_gemm):
     small-rows runs its linear layers as SmallRowLinear, and says so in the target's name (so reports and
     profiles record it)."""
-    if gemm not in GEMM_PATHS:
-        raise SpecPilotError(f"--gemm must be one of {', '.join(GEMM_PATHS)}, got '{gemm}'")
+    device = resolve_torch_device(device)
+    gemm = resolve_gemm(gemm, device)  # checked before any weights load
     if spec and spec.startswith("random:"):
         target = random_init_target(spec.partition(":")[2], dtype, device)
     else:
-        device = resolve_torch_device(device)
         model, tokenizer, name = load_model(spec, resolve_dtype(dtype, device), device)
         target = Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
-    if resolve_gemm(gemm, str(target.model.device)) == "small-rows":
+    if gemm == "small-rows":
         use_small_row_gemm(target.model)
         target.name += " [small-rows gemm]"
     return target
