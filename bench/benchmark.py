@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from decoding.config import warn
 from decoding.errors import SpecPilotError
 from decoding.loop import generate
 from decoding.paths import Checkpoint, atomic_write_text
@@ -89,8 +90,12 @@ def run_batch_benchmark(
     names = list(policies)
     encoded = [target.encode(p.text, chat=chat) for p in prompts]
     plan = [(b, i, idx) for b in batch_sizes for i, idx in enumerate(batches_of(len(prompts), b))]
-    # warm-up: the first forward passes of a process are slow (allocator, kernels)
-    generate(target, draft, policies[names[-1]], [encoded[x] for x in plan[-1][2]], 8, sampling)
+    warn(order_imbalance(repeats, [sum(1 for x in plan if x[0] == b) for b in batch_sizes], batch_sizes, len(names)))
+    # warm-up, untimed, at every batch size: the first forward passes of a process and of each new shape are slow
+    # (allocator, kernels)
+    for b in batch_sizes:
+        first = next(idx for size, _, idx in plan if size == b)
+        generate(target, draft, policies[names[-1]], [encoded[x] for x in first], 8, sampling)
     signature = {"policies": names, "prompts": [p.question_id for p in prompts], "batch_sizes": list(batch_sizes),
                  "max_new_tokens": max_new_tokens, "repeats": repeats, "loads": loads, "sampling": asdict(sampling),
                  "chat": chat, "target": getattr(target, "name", None), "draft": getattr(draft, "name", None)}
@@ -109,9 +114,8 @@ def run_batch_benchmark(
                 for j, (b, i, idx) in enumerate(plan):
                     if j in groups:
                         continue
-                    shift = (r + j) % len(names)
                     groups[j] = []
-                    for name in names[shift:] + names[:shift]:
+                    for name in policy_order(names, r, j):
                         groups[j].append(_run_one(target, draft, policies[name], name, prompts, encoded, b, i, idx, r,
                                                   max_new_tokens, sampling, load))
                         bar.update()
@@ -120,6 +124,24 @@ def run_batch_benchmark(
             runs += [run for j in range(len(plan)) for run in groups[j]]
     bar.close()
     return runs
+
+
+def policy_order(names: list[str], r: int, j: int) -> list[str]:
+    """The order the policies run in on batch j of repeat r: rotated to start at policy (r + j) mod P."""
+    shift = (r + j) % len(names)
+    return names[shift:] + names[:shift]
+
+
+def order_imbalance(repeats: int, batches: list[int], batch_sizes: list[int], policies: int) -> str | None:
+    """Why the policy order leaves position effects unbalanced, or None. Batch j of repeat r starts the rotation
+    at policy (r + j) mod P; over a batch size's J consecutive batches and R repeats every policy takes every
+    position equally often exactly when R or J is a multiple of P (the first Fourier coefficient of the sum of
+    two uniform ranges mod P vanishes only then)."""
+    short = [b for b, j in zip(batch_sizes, batches) if repeats % policies and j % policies]
+    if not short or policies < 2:
+        return None
+    return (f"at batch size {','.join(map(str, short))} the {policies} policies do not each run in every position "
+            f"equally often over {repeats} repeats (slow drift and warm-up favour some); use --repeats {policies}")
 
 
 def _run_one(target, draft, policy, name, prompts, encoded, b, i, idx, r, max_new_tokens, sampling, load) -> BatchRun:
@@ -294,7 +316,7 @@ def summarize_batches(runs: list[BatchRun], greedy: bool = True) -> dict:
 def _paired_speedups(by_key: dict, b: int, policy: str, batches: list[int]) -> dict:
     """Speedup over plain decoding within each repeat (the policy's and plain's runs of the same batches in
     the same pass over the plan, so slow drift of the machine cancels), their geometric mean and an
-    approximate 95% interval of it, exp(mean log +- 2 standard errors); with few repeats only a rough one."""
+    95% interval of it (`paired_ratio`)."""
     repeats: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for i in batches:
         for name, slot in ((policy, 0), ("none", 2)):
@@ -309,15 +331,28 @@ def _paired_speedups(by_key: dict, b: int, policy: str, batches: list[int]) -> d
     return {"speedup_per_repeat": ratios, "speedup_paired": mean, "speedup_paired_interval": interval}
 
 
+# Student's t, two-sided 95% (0.975 quantile) for 1..30 degrees of freedom; the normal's 1.96 beyond
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with df degrees of freedom (1.96 above 30)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
 def paired_ratio(ratios: list[float]) -> tuple[float, list[float] | None]:
     """The geometric mean of per-repeat ratios (each measured side by side, so slow drift of the machine cancels)
-    and an approximate 95% interval of it, exp(mean log +- 2 standard errors); None with a single repeat."""
+    and its 95% interval, exp(mean log +- t(n-1) standard errors) (Student's t: three repeats give +- 4.3 standard
+    errors, not 2); None with a single repeat."""
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return math.exp(mean), None
-    se = statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), [math.exp(mean - 2 * se), math.exp(mean + 2 * se)]
+    half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), [math.exp(mean - half), math.exp(mean + half)]
 
 
 def paired_cell(cell: dict) -> str:
@@ -329,7 +364,7 @@ def paired_cell(cell: dict) -> str:
 
 
 def format_paired_table(summary: dict) -> str:
-    """Rows: policies; columns: batch sizes, each 'paired speedup [approx. 95% interval]' over the repeats."""
+    """Rows: policies; columns: batch sizes, each 'paired speedup [95% interval]' over the repeats."""
     sizes = summary["batch_sizes"]
     head = f"{'policy':<16}" + "".join(f"{'B=' + str(b):>25}" for b in sizes)
     lines = [head, "-" * len(head)]
@@ -368,7 +403,7 @@ def batch_markdown_report(summary: dict, meta: dict, plot_name: str, command: st
     if meta.get("repeats", 1) > 1:
         lines += ["", (f"Speedup over plain within each of the {meta['repeats']} repeats (the policy's and plain "
                        "decoding's runs of the same batches in the same pass, so slow drift of the machine cancels): "
-                       "geometric mean [approx. 95% interval, exp(mean log +- 2 standard errors)]."), "",
+                       "geometric mean [95% interval, exp(mean log +- t(n-1) standard errors)]."), "",
                   "| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
         for policy in summary["policies"]:
             lines.append(f"| {policy} | " + " | ".join(paired_cell(summary["table"][str(b)][policy]) for b in sizes) + " |")
@@ -406,7 +441,7 @@ def loads_markdown_report(summary: dict, meta: dict, plot_name: str, command: st
              "Each repeat runs every policy on the same batches under each load in turn (the order rotating between "
              "repeats; the load started by the benchmark before its pass and stopped after it, env/load.py). "
              "Cells: speedup over plain decoding *under the same load*, paired within each repeat: geometric mean "
-             "[approx. 95% interval]; then the plain tokens/s, to show the load's scale.", ""]
+             "[95% interval]; then the plain tokens/s, to show the load's scale.", ""]
     cols = [(load, b) for load in loads for b in sizes]
     lines += ["| policy | " + " | ".join(f"{load} B={b}" for load, b in cols) + " | tokens unlike plain |",
               "|---|" + "---|" * (len(cols) + 1)]

@@ -71,7 +71,9 @@ class BenchmarkConfig:
     per_category: int = 0
     """Use at most this many prompts per category (0 = all)."""
     repeats: int = 1
-    """Runs of every (policy, prompt) pair; the median time counts."""
+    """Runs of every (policy, prompt) pair; the median time counts. The policy order rotates from batch to batch
+    and repeat to repeat; with fewer batches of a size than policies, a multiple of the number of policies puts
+    every policy in every position equally often (else a warning says so)."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
     k_max: int | None = None
@@ -274,7 +276,7 @@ def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
                  loads_markdown_report)
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) | batch sizes {sizes} | "
           f"loads {', '.join(loads)} | {cfg.repeats} repeats | {hardware_name}")
-    print("speedup over plain under the same load, paired within each repeat: geometric mean [approx. 95% interval]")
+    print("speedup over plain under the same load, paired within each repeat: geometric mean [95% interval]")
     print(format_loads_table(summary))
     _print_range_report(summary["input_range"])
     print(f"results: {path}")
@@ -297,7 +299,7 @@ def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
           f"{cfg.max_new_tokens} new tokens per row | {hardware_name}")
     print(format_batch_table(summary))
     if cfg.repeats > 1:
-        print("speedup over plain within each repeat (paired): geometric mean [approx. 95% interval]")
+        print("speedup over plain within each repeat (paired): geometric mean [95% interval]")
         print(format_paired_table(summary))
     _print_range_report(summary["input_range"])
     print(f"results: {path}")

@@ -1,7 +1,9 @@
 """One policy against another from a benchmark's results JSON: `python -m bench.paired_cli RESULTS --policy learned
 --versus best-rule`. Per (load, batch size), the ratio of the two policies' tokens/s within each repeat (their
-runs of the same batches in the same pass, so the machine's slow drift cancels), the geometric mean and an
-approximate 95% interval, exp(mean log +- 2 standard errors). Prints a table and writes JSON beside RESULTS."""
+runs of the same batches in the same pass, so the machine's slow drift cancels), the geometric mean and a 95%
+interval, exp(mean log +- t(n-1) standard errors). Prints a table and writes JSON beside RESULTS. A committed
+report's JSON (reports/*.json: no runs, only its summary) is read from the per-repeat ratios it kept (each policy
+over plain decoding, and over the policy its --versus named)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +23,9 @@ class PairedConfig:
     """Paired ratio of two policies' speed from a results JSON of scripts/benchmark.py."""
 
     results: str = "runs/benchmark/batch_results.json"
-    """The benchmark's results JSON (batch_results.json, load_results.json or results.json)."""
+    """The benchmark's results JSON (batch_results.json, load_results.json or results.json), or a report's JSON
+    (reports/*.json: from the per-repeat ratios it kept); several, comma-separated, pool their repeats (runs of
+    the same command: each repeat is paired within itself, so repeats of separate runs add up)."""
     policy: str = "learned"
     """The policy compared."""
     versus: str = "best-rule"
@@ -51,7 +55,7 @@ def paired_ratios(runs: list[dict], policy: str, versus: str) -> dict[str, dict]
 def versus_markdown(versus: str, table: dict[str, dict[str, dict]]) -> str:
     """A report section: each policy over `versus`, paired within each repeat, per (load, batch size) cell."""
     cells = list(next(iter(table.values()), {}))
-    lines = ["", f"Each policy over `{versus}`, tokens/s paired within each repeat: geometric mean [approx. 95% interval].",
+    lines = ["", f"Each policy over `{versus}`, tokens/s paired within each repeat: geometric mean [95% interval, Student's t].",
              "", "| policy | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
     for name, row in table.items():
         lines.append(f"| {name} | " + " | ".join(
@@ -60,21 +64,58 @@ def versus_markdown(versus: str, table: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_ratios(summary: dict, policy: str, versus: str) -> dict[str, dict]:
+    """{"B=b": {"per_repeat", "ratio", "interval"}} re-derived from the per-repeat ratios a report's summary kept:
+    those over the report's --versus policy, or else each policy's speedups over plain decoding in the same repeat
+    divided (exact: plain's tokens/s cancels, leaving the two policies' ratio within that repeat)."""
+    kept = summary.get("versus") or {}
+    if kept.get("policy") == versus:
+        cells = {cell: row["per_repeat"] for cell, row in kept.get("cells", {}).get(policy, {}).items()}
+    else:
+        cells = {}
+        for b, row in summary.get("table", {}).items():
+            mine, theirs = (row.get(name, {}).get("speedup_per_repeat") for name in (policy, versus))
+            if mine and theirs and len(mine) == len(theirs):
+                cells[f"B={b}"] = [x / y for x, y in zip(mine, theirs)]
+    if not cells:
+        raise SpecPilotError(f"the report kept no per-repeat ratios of both '{policy}' and '{versus}'")
+    return {cell: dict(zip(("ratio", "interval"), paired_ratio(ratios)), per_repeat=ratios) for cell, ratios in cells.items()}
+
+
+def _cells_of(path: str, policy: str, versus: str) -> dict[str, list[float]]:
+    """{"B=b": per-repeat ratios} of policy over versus in one results or report JSON."""
+    doc = read_json_file(path, "benchmark results")
+    if "runs" in doc:
+        names = {run["policy"] for run in doc["runs"]}
+        for name in (policy, versus):
+            if name not in names:
+                raise SpecPilotError(f"{path} has no runs of '{name}'; it has {', '.join(sorted(names))}")
+        cells = paired_ratios(doc["runs"], policy, versus)
+    elif "summary" in doc:
+        cells = report_ratios(doc["summary"], policy, versus)
+    else:
+        raise SpecPilotError(f"{path} is neither a benchmark's results (runs) nor a report's JSON (summary)")
+    return {cell: row["per_repeat"] for cell, row in cells.items()}
+
+
 def paired_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(PairedConfig, argv)
-    doc = read_json_file(cfg.results, "benchmark results", keys=("runs",))
-    names = {run["policy"] for run in doc["runs"]}
-    for name in (cfg.policy, cfg.versus):
-        if name not in names:
-            raise SpecPilotError(f"{cfg.results} has no runs of '{name}'; it has {', '.join(sorted(names))}")
-    cells = paired_ratios(doc["runs"], cfg.policy, cfg.versus)
-    print(f"{cfg.policy} / {cfg.versus}, tokens/s paired within each repeat: geometric mean [approx. 95% interval]")
+    paths = [x.strip() for x in cfg.results.split(",") if x.strip()]
+    pooled: dict[str, list[float]] = {}
+    for path in paths:
+        for cell, ratios in _cells_of(path, cfg.policy, cfg.versus).items():
+            pooled.setdefault(cell, []).extend(ratios)
+    cells = {cell: dict(zip(("ratio", "interval"), paired_ratio(ratios)), per_repeat=ratios) for cell, ratios in pooled.items()}
+    print(f"{cfg.policy} / {cfg.versus}, tokens/s paired within each repeat: geometric mean [95% interval, Student's t]"
+          + (f", the repeats of {len(paths)} runs pooled" if len(paths) > 1 else ""))
     for cell, row in cells.items():
         interval = row["interval"]
         print(f"  {cell:<16} {row['ratio']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
               + "  per repeat " + " ".join(f"{r:.3f}" for r in row["per_repeat"]))
-    path = Path(cfg.results).with_name(f"paired_{cfg.policy}_vs_{cfg.versus}.json".replace(":", "-").replace("/", "-"))
-    atomic_write_text(path, json.dumps({"results": cfg.results, "policy": cfg.policy, "versus": cfg.versus,
+    if len(paths) > 1 or "runs" not in read_json_file(paths[0], "benchmark results"):
+        return 0  # pooled, or a committed report: print only, write nothing beside it
+    path = Path(paths[0]).with_name(f"paired_{cfg.policy}_vs_{cfg.versus}.json".replace(":", "-").replace("/", "-"))
+    atomic_write_text(path, json.dumps({"results": paths[0], "policy": cfg.policy, "versus": cfg.versus,
                                         "cells": cells}, indent=1))
     print(f"written: {path}")
     return 0

@@ -71,3 +71,24 @@ def test_the_command_resumes_and_removes_its_checkpoint_when_done(tmp_path, caps
     (out / "checkpoint.jsonl").unlink()
     assert run_cli(benchmark_main, args) == 0  # nothing to resume: runs everything
     assert (out / "results.json").exists() and not (out / "checkpoint.jsonl").exists()
+
+
+def test_the_order_warning_fires_exactly_when_some_policy_misses_a_position():
+    """Brute force over the benchmark's own rotation: for every batch size (its J consecutive batches in the plan,
+    after `start` batches of smaller sizes) count how often each policy runs in each position over R repeats;
+    `order_imbalance` must warn exactly when those counts are unequal."""
+    for policies in range(2, 6):
+        names = [f"p{i}" for i in range(policies)]
+        for repeats in range(1, 8):
+            for start in range(3):
+                for batches in range(1, 8):
+                    counts = {}
+                    for r in range(repeats):
+                        for j in range(start, start + batches):
+                            for pos, name in enumerate(benchmark.policy_order(names, r, j)):
+                                counts[(name, pos)] = counts.get((name, pos), 0) + 1
+                    balanced = len(set(counts.values())) == 1 and len(counts) == policies * policies
+                    message = benchmark.order_imbalance(repeats, [batches], [4], policies)
+                    assert (message is None) == balanced, (policies, repeats, start, batches)
+    assert "use --repeats 5" in benchmark.order_imbalance(3, [8, 1], [1, 8], 5)
+    assert "batch size 8 " in benchmark.order_imbalance(3, [10, 1], [1, 8], 5)
