@@ -30,25 +30,29 @@ class PairedConfig:
     """The policy compared."""
     versus: str = "best-rule"
     """The policy it is compared with."""
+    by_category: bool = False
+    """Also split each cell by the prompts' category (runs of one prompt each, --batch-sizes 1; results JSON only)."""
 
 
-def paired_ratios(runs: list[dict], policy: str, versus: str) -> dict[str, dict]:
-    """{"LOAD B=b" ("B=b" when no run had a load): {"per_repeat", "ratio", "interval"}}: policy / versus tokens/s
-    within each repeat."""
+def paired_ratios(runs: list[dict], policy: str, versus: str, by_category: bool = False) -> dict[str, dict]:
+    """{"LOAD B=b" ("B=b" when no run had a load; " CATEGORY" appended with by_category): {"per_repeat", "ratio",
+    "interval"}}: policy / versus tokens/s within each repeat."""
     totals: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     for run in runs:
-        cell = totals[(run.get("load", "none"), run["batch_size"], run["repeat"])][run["policy"]]
+        group = run.get("category", "") if by_category else ""
+        cell = totals[(run.get("load", "none"), run["batch_size"], group, run["repeat"])][run["policy"]]
         cell[0] += run["new_tokens"]
         cell[1] += run["seconds"]
     by_cell: dict[tuple, list[float]] = defaultdict(list)
-    for (load, b, _), pol in sorted(totals.items()):
+    for (load, b, group, _), pol in sorted(totals.items()):
         if policy in pol and versus in pol and pol[policy][1] > 0 and pol[versus][1] > 0:
-            by_cell[(load, b)].append((pol[policy][0] / pol[policy][1]) / (pol[versus][0] / pol[versus][1]))
+            by_cell[(load, b, group)].append((pol[policy][0] / pol[policy][1]) / (pol[versus][0] / pol[versus][1]))
     out = {}
-    loaded = any(load != "none" for load, _ in by_cell)  # without loads a cell is just its batch size
-    for (load, b), ratios in by_cell.items():
+    loaded = any(load != "none" for load, _, _ in by_cell)  # without loads a cell is just its batch size
+    for (load, b, group), ratios in by_cell.items():
         mean, interval = paired_ratio(ratios)
-        out[f"{load} B={b}" if loaded else f"B={b}"] = {"per_repeat": ratios, "ratio": mean, "interval": interval}
+        name = (f"{load} B={b}" if loaded else f"B={b}") + (f" {group}" if group else "")
+        out[name] = {"per_repeat": ratios, "ratio": mean, "interval": interval}
     return out
 
 
@@ -74,7 +78,8 @@ def report_ratios(summary: dict, policy: str, versus: str) -> dict[str, dict]:
     else:
         cells = {}
         for b, row in summary.get("table", {}).items():
-            mine, theirs = (row.get(name, {}).get("speedup_per_repeat") for name in (policy, versus))
+            mine, theirs = ((row.get(name) if isinstance(row, dict) and isinstance(row.get(name), dict) else {})
+                            .get("speedup_per_repeat") for name in (policy, versus))
             if mine and theirs and len(mine) == len(theirs):
                 cells[f"B={b}"] = [x / y for x, y in zip(mine, theirs)]
     if not cells:
@@ -82,8 +87,8 @@ def report_ratios(summary: dict, policy: str, versus: str) -> dict[str, dict]:
     return {cell: dict(zip(("ratio", "interval"), paired_ratio(ratios)), per_repeat=ratios) for cell, ratios in cells.items()}
 
 
-def _cells_of(path: str, policy: str, versus: str) -> dict[str, list[float]]:
-    """{"B=b": per-repeat ratios} of policy over versus in one results or report JSON."""
+def _cells_of(path: str, policy: str, versus: str, by_category: bool = False) -> tuple[dict[str, list[float]], bool]:
+    """({"B=b": per-repeat ratios} of policy over versus in one results or report JSON, whether it held runs)."""
     doc = read_json_file(path, "benchmark results")
     if "runs" in doc:
         names = {run["policy"] for run in doc["runs"]}
@@ -91,28 +96,35 @@ def _cells_of(path: str, policy: str, versus: str) -> dict[str, list[float]]:
             if name not in names:
                 raise SpecPilotError(f"{path} has no runs of '{name}'; it has {', '.join(sorted(names))}")
         cells = paired_ratios(doc["runs"], policy, versus)
+        if by_category:
+            cells |= paired_ratios(doc["runs"], policy, versus, by_category=True)
+    elif by_category:
+        raise SpecPilotError(f"--by-category needs a results JSON with runs; {path} is a report's summary")
     elif "summary" in doc:
         cells = report_ratios(doc["summary"], policy, versus)
     else:
         raise SpecPilotError(f"{path} is neither a benchmark's results (runs) nor a report's JSON (summary)")
-    return {cell: row["per_repeat"] for cell, row in cells.items()}
+    return {cell: row["per_repeat"] for cell, row in cells.items()}, "runs" in doc
 
 
 def paired_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(PairedConfig, argv)
     paths = [x.strip() for x in cfg.results.split(",") if x.strip()]
+    if not paths:
+        raise SpecPilotError("--results names no file")
     pooled: dict[str, list[float]] = {}
     for path in paths:
-        for cell, ratios in _cells_of(path, cfg.policy, cfg.versus).items():
+        found, has_runs = _cells_of(path, cfg.policy, cfg.versus, cfg.by_category)
+        for cell, ratios in found.items():
             pooled.setdefault(cell, []).extend(ratios)
     cells = {cell: dict(zip(("ratio", "interval"), paired_ratio(ratios)), per_repeat=ratios) for cell, ratios in pooled.items()}
     print(f"{cfg.policy} / {cfg.versus}, tokens/s paired within each repeat: geometric mean [95% interval, Student's t]"
           + (f", the repeats of {len(paths)} runs pooled" if len(paths) > 1 else ""))
     for cell, row in cells.items():
         interval = row["interval"]
-        print(f"  {cell:<16} {row['ratio']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+        print(f"  {cell:<28} {row['ratio']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
               + "  per repeat " + " ".join(f"{r:.3f}" for r in row["per_repeat"]))
-    if len(paths) > 1 or "runs" not in read_json_file(paths[0], "benchmark results"):
+    if len(paths) > 1 or not has_runs:
         return 0  # pooled, or a committed report: print only, write nothing beside it
     path = Path(paths[0]).with_name(f"paired_{cfg.policy}_vs_{cfg.versus}.json".replace(":", "-").replace("/", "-"))
     atomic_write_text(path, json.dumps({"results": paths[0], "policy": cfg.policy, "versus": cfg.versus,

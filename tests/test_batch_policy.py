@@ -409,7 +409,7 @@ def test_paired_cli_re_reads_a_committed_reports_ratios(tmp_path, capsys):
     path.write_text(json.dumps({"meta": {}, "summary": summary}))
     assert run_cli(paired_main, ["--results", str(path), "--policy", "learned", "--versus", "best-rule"]) == 0
     mean, (low, high) = paired_ratio([1.01, 0.99, 1.03])
-    assert f"B=1              {mean:.3f} [{low:.3f}, {high:.3f}]" in capsys.readouterr().out
+    assert f"B=1                          {mean:.3f} [{low:.3f}, {high:.3f}]" in capsys.readouterr().out
     assert run_cli(paired_main, ["--results", str(path), "--policy", "learned", "--versus", "none"]) == 0
     mean, (low, high) = paired_ratio([1.2, 1.3, 1.25])
     assert f"{mean:.3f} [{low:.3f}, {high:.3f}]" in capsys.readouterr().out
@@ -426,3 +426,30 @@ def test_paired_cli_re_reads_a_committed_reports_ratios(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.json", "report.json"]
     assert run_cli(paired_main, ["--results", str(path), "--policy", "learned", "--versus", "static:5"]) == 2
     assert "'learned' and 'static:5'" in capsys.readouterr().err
+
+
+def test_paired_cli_splits_one_row_runs_by_category(tmp_path, capsys):
+    """--by-category: each category's ratio comes from its own prompts' runs only, beside the overall cell; a
+    report's summary (no runs) is refused in one line."""
+    import json
+
+    from bench.paired_cli import paired_main
+    from decoding.config import run_cli
+
+    def run(policy, repeat, category, seconds):
+        return {"policy": policy, "batch_size": 1, "repeat": repeat, "category": category, "new_tokens": 10,
+                "seconds": seconds}
+
+    runs = [run(p, r, c, s) for r in range(2) for p, c, s in (
+        ("learned", "qa", 1.0), ("best-rule", "qa", 2.0), ("learned", "rag", 2.0), ("best-rule", "rag", 1.0))]
+    path = tmp_path / "batch_results.json"
+    path.write_text(json.dumps({"meta": {}, "runs": runs}))
+    assert run_cli(paired_main, ["--results", str(path), "--policy", "learned", "--versus", "best-rule", "--by-category"]) == 0
+    out = capsys.readouterr().out
+    assert "B=1 qa" in out and "2.000 [2.000, 2.000]" in out  # half the time on qa
+    assert "B=1 rag" in out and "0.500 [0.500, 0.500]" in out
+    assert "B=1                          1.000" in out  # 3 s each overall
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"meta": {}, "summary": {"table": {}}}))
+    assert run_cli(paired_main, ["--results", str(report), "--by-category"]) == 2
+    assert "needs a results JSON with runs" in capsys.readouterr().err
