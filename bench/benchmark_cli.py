@@ -247,7 +247,8 @@ def _save(cfg, argv, runs, summary: dict, meta: dict, prefix: str, plot, markdow
     png = path.parent / f"{prefix}benchmark.png"
     plot(png)
     if cfg.report:
-        write_report(cfg.report, png, meta, summary, lambda plot_name: markdown(summary, meta, plot_name, _command(argv)))
+        write_report(cfg.report, png, meta, summary, lambda plot_name: markdown(summary, meta, plot_name, _command(argv)),
+                     [asdict(run) for run in runs])
     _checkpoint(cfg).unlink(missing_ok=True)  # everything it held is in the results now
     return path
 

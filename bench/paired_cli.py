@@ -1,9 +1,9 @@
 """One policy against another from a benchmark's results JSON: `python -m bench.paired_cli RESULTS --policy learned
 --versus best-rule`. Per (load, batch size), the ratio of the two policies' tokens/s within each repeat (their
 runs of the same batches in the same pass, so the machine's slow drift cancels), the geometric mean and a 95%
-interval, exp(mean log +- t(n-1) standard errors). Prints a table and writes JSON beside RESULTS. A committed
-report's JSON (reports/*.json: no runs, only its summary) is read from the per-repeat ratios it kept (each policy
-over plain decoding, and over the policy its --versus named)."""
+interval, exp(mean log +- t(n-1) standard errors). Prints a table and writes JSON beside a results file. A report's
+JSON (reports/*.json) keeps its runs' timings (bench.report.run_timings); an older one without them is read from
+the per-repeat ratios its summary kept (each policy over plain decoding, and over its --versus policy)."""
 from __future__ import annotations
 
 import json
@@ -68,27 +68,29 @@ def versus_markdown(versus: str, table: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report_ratios(summary: dict, policy: str, versus: str) -> dict[str, dict]:
-    """{"B=b": {"per_repeat", "ratio", "interval"}} re-derived from the per-repeat ratios a report's summary kept:
-    those over the report's --versus policy, or else each policy's speedups over plain decoding in the same repeat
-    divided (exact: plain's tokens/s cancels, leaving the two policies' ratio within that repeat)."""
+def report_ratios(summary: dict, policy: str, versus: str) -> dict[str, list[float]]:
+    """{"B=b": per-repeat ratios} from what an older report's summary kept (no runs): the ratios over the report's
+    --versus policy, or else each policy's speedups over plain decoding in the same repeat divided (exact: plain's
+    tokens/s cancels, leaving the two policies' ratio within that repeat)."""
     kept = summary.get("versus") or {}
     if kept.get("policy") == versus:
         cells = {cell: row["per_repeat"] for cell, row in kept.get("cells", {}).get(policy, {}).items()}
     else:
         cells = {}
         for b, row in summary.get("table", {}).items():
-            mine, theirs = ((row.get(name) if isinstance(row, dict) and isinstance(row.get(name), dict) else {})
-                            .get("speedup_per_repeat") for name in (policy, versus))
-            if mine and theirs and len(mine) == len(theirs):
-                cells[f"B={b}"] = [x / y for x, y in zip(mine, theirs)]
+            mine, theirs = (row.get(name) if isinstance(row, dict) else None for name in (policy, versus))
+            if isinstance(mine, dict) and isinstance(theirs, dict) and "speedup_per_repeat" in mine | theirs:
+                pairs = list(zip(mine.get("speedup_per_repeat", []), theirs.get("speedup_per_repeat", [])))
+                if pairs:
+                    cells[f"B={b}"] = [x / y for x, y in pairs]
     if not cells:
         raise SpecPilotError(f"the report kept no per-repeat ratios of both '{policy}' and '{versus}'")
-    return {cell: dict(zip(("ratio", "interval"), paired_ratio(ratios)), per_repeat=ratios) for cell, ratios in cells.items()}
+    return cells
 
 
 def _cells_of(path: str, policy: str, versus: str, by_category: bool = False) -> tuple[dict[str, list[float]], bool]:
-    """({"B=b": per-repeat ratios} of policy over versus in one results or report JSON, whether it held runs)."""
+    """({"B=b": per-repeat ratios} of policy over versus in one results or report JSON, whether it is a
+    benchmark's results file (OUT/*results.json), beside which the paired JSON is written)."""
     doc = read_json_file(path, "benchmark results")
     if "runs" in doc:
         names = {run["policy"] for run in doc["runs"]}
@@ -99,12 +101,12 @@ def _cells_of(path: str, policy: str, versus: str, by_category: bool = False) ->
         if by_category:
             cells |= paired_ratios(doc["runs"], policy, versus, by_category=True)
     elif by_category:
-        raise SpecPilotError(f"--by-category needs a results JSON with runs; {path} is a report's summary")
+        raise SpecPilotError(f"--by-category needs the runs; {path} holds only a summary (a report from before they were kept)")
     elif "summary" in doc:
-        cells = report_ratios(doc["summary"], policy, versus)
+        return report_ratios(doc["summary"], policy, versus), False
     else:
         raise SpecPilotError(f"{path} is neither a benchmark's results (runs) nor a report's JSON (summary)")
-    return {cell: row["per_repeat"] for cell, row in cells.items()}, "runs" in doc
+    return {cell: row["per_repeat"] for cell, row in cells.items()}, Path(path).name.endswith("results.json")
 
 
 def paired_main(argv: list[str] | None = None) -> int:
@@ -114,7 +116,7 @@ def paired_main(argv: list[str] | None = None) -> int:
         raise SpecPilotError("--results names no file")
     pooled: dict[str, list[float]] = {}
     for path in paths:
-        found, has_runs = _cells_of(path, cfg.policy, cfg.versus, cfg.by_category)
+        found, is_results = _cells_of(path, cfg.policy, cfg.versus, cfg.by_category)
         for cell, ratios in found.items():
             pooled.setdefault(cell, []).extend(ratios)
     cells = {cell: dict(zip(("ratio", "interval"), paired_ratio(ratios)), per_repeat=ratios) for cell, ratios in pooled.items()}
@@ -124,7 +126,7 @@ def paired_main(argv: list[str] | None = None) -> int:
         interval = row["interval"]
         print(f"  {cell:<28} {row['ratio']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
               + "  per repeat " + " ".join(f"{r:.3f}" for r in row["per_repeat"]))
-    if len(paths) > 1 or not has_runs:
+    if len(paths) > 1 or not is_results:
         return 0  # pooled, or a committed report: print only, write nothing beside it
     path = Path(paths[0]).with_name(f"paired_{cfg.policy}_vs_{cfg.versus}.json".replace(":", "-").replace("/", "-"))
     atomic_write_text(path, json.dumps({"results": paths[0], "policy": cfg.policy, "versus": cfg.versus,

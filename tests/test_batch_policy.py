@@ -452,4 +452,25 @@ def test_paired_cli_splits_one_row_runs_by_category(tmp_path, capsys):
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"meta": {}, "summary": {"table": {}}}))
     assert run_cli(paired_main, ["--results", str(report), "--by-category"]) == 2
-    assert "needs a results JSON with runs" in capsys.readouterr().err
+    assert "needs the runs" in capsys.readouterr().err
+
+
+def test_a_report_keeps_its_runs_timings_and_paired_cli_re_reads_them(tmp_path, capsys):
+    """write_report keeps each run's timing and counts (not its token ids) in REPORT.json; paired_cli splits them
+    by category from there and writes nothing beside the report."""
+    import json
+
+    from bench.paired_cli import paired_main
+    from bench.report import write_report
+    from decoding.config import run_cli
+
+    runs = [{"policy": p, "batch_size": 1, "batch_index": 0, "question_ids": ["q"], "repeat": r, "category": "qa",
+             "new_tokens": 10, "seconds": s * (1 + r), "steps": 10, "token_ids": [[1] * 10], "ks": [0] * 10}
+            for r in range(2) for p, s in (("learned", 1.0), ("best-rule", 1.25))]
+    (tmp_path / "plot.png").write_bytes(b"png")
+    report = write_report(tmp_path / "r" / "page.md", tmp_path / "plot.png", {}, {}, lambda png: f"![]({png})", runs)
+    kept = json.loads(report.with_suffix(".json").read_text())["runs"]
+    assert len(kept) == 4 and all("token_ids" not in run and "ks" not in run for run in kept)
+    assert run_cli(paired_main, ["--results", str(report.with_suffix(".json")), "--by-category"]) == 0
+    assert "B=1 qa                       1.250 [1.250, 1.250]" in capsys.readouterr().out
+    assert sorted(x.name for x in report.parent.iterdir()) == ["page.json", "page.md", "page.png"]
