@@ -20,11 +20,14 @@ from decoding.prompts import load_prompts
 from decoding.sampling import Sampling
 from env.oracle import load_traces, record_trace, save_traces, trace_temperature
 from env.oracle import load_profile
-from env.profile import profile_costs
+from env.profile import fit_grid_in_context, profile_costs
 from env.simulate import compare_profiles, save_profile, simulate_profile
 
 from env.load import LOADS, background_load
 from .plots import plot_profile
+
+CONTEXT_FITS = ("linear", "none")
+"""How a measured grid is smoothed over the context (--context-fit)."""
 
 
 @dataclass
@@ -77,6 +80,12 @@ class ProfileConfig:
     """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
     (decoding.models.SmallRowLinear, W @ x^T for 2-4 rows: cheaper verify passes of 1-3 drafted tokens on this
     CPU; `python -m bench.gemm` times both)."""
+    context_fit: str = "linear"
+    """How a measured grid (--grid-context-lens, three lengths or more) is smoothed over the context: linear (per
+    batch size and k, the least-squares line through its cells, env.profile.fit_grid_in_context; the medians
+    are kept beside it) | none (the medians as measured)."""
+    refit: str | None = None
+    """Refit the grid of this existing profile file with --context-fit and rewrite it in place; nothing runs."""
     out: str = "profiles"
     """Folder for <device>.json, <device>.png and the traces."""
     progress: bool = True
@@ -106,6 +115,10 @@ def profile_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(ProfileConfig, argv)
     at_least(1, repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
     at_least(0, k_max=cfg.k_max)
+    if cfg.context_fit not in CONTEXT_FITS:
+        raise SpecPilotError(f"--context-fit must be one of {', '.join(CONTEXT_FITS)}, got '{cfg.context_fit}'")
+    if cfg.refit:
+        return _refit(cfg)
     if cfg.simulate:
         return _simulate(cfg)
     device = resolve(cfg.device)
@@ -144,6 +157,8 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
     profile = profile_costs(target, draft, prompt_ids, cfg.k_max, lens, cfg.repeats, progress=bar, batch_sizes=batch_sizes,
                             grid_context_lens=grid_lens)
     bar.close()
+    if "grid" in profile and cfg.context_fit == "linear":
+        profile["grid"] = fit_grid_in_context(profile["grid"])
     profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
                     "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
@@ -164,6 +179,25 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
               + " ".join(f"{1000 * s:.1f}" for s in row) + f" | draft ms/position {1000 * d:.2f}")
     if "grid" in profile:
         print_grid(profile["grid"], cfg.k_max)
+
+
+def _refit(cfg) -> int:
+    """--refit PATH: the profile's grid smoothed again from its measured medians (or restored to them)."""
+    path = Path(cfg.refit)
+    profile = load_profile(path)
+    grid = profile.get("grid")
+    if not grid or not grid.get("measured"):
+        raise SpecPilotError(f"{path} has no measured grid to refit (profile with --grid-context-lens)")
+    if cfg.context_fit == "linear":
+        grid = fit_grid_in_context(grid)
+    else:
+        grid = {**grid, "verify_s": grid.get("verify_s_measured", grid["verify_s"]),
+                "draft_s_per_token": grid.get("draft_s_per_token_measured", grid["draft_s_per_token"]), "context_fit": "none"}
+    profile["grid"] = grid
+    atomic_write_text(path, json.dumps(profile, indent=1))  # its plot shows the one-row curve: unchanged
+    print(f"refit {path} ({grid['context_fit']} in context):")
+    print_grid(grid, len(grid["verify_s"][0][0]) - 1)
+    return 0
 
 
 def print_grid(grid: dict, k_max: int) -> None:

@@ -176,19 +176,21 @@ def use_gqa_attention(model):
 
 
 class SmallRowLinear(torch.nn.Linear):
-    """nn.Linear whose product for 2-4 fp32 rows on the CPU is taken as W @ x^T, then transposed.
+    """nn.Linear whose product for 1-4 fp32 rows on the CPU is taken as W @ x^T, then transposed.
 
     torch computes `F.linear(x, W)` as x @ W^T, and on this CPU's MKL that costs 2-2.5x more for 2-4 rows than
     for one (the same weights read either way: the kernel, not the arithmetic, made a verify pass of 1-3 drafted
     tokens cost 1.65-2.0x a plain step). Handed over the other way round, W (out x in) times x^T (in x rows), a
-    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m bench.gemm`, ninth stop of reports/README.md);
-    at one row and at 5 or more rows that way was no faster or slower there, so those keep nn.Linear's path, as do
-    other dtypes and devices. Same numbers up to float summation order. The product is returned contiguous: handed
-    on transposed, the projections' outputs sent attention down a path whose cost grows with the context (at 2,048
-    tokens two rows' plain step 0.75x and four rows' 0.58x as fast as nn.Linear's, eleventh stop)."""
+    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m bench.gemm`, ninth stop of reports/README.md).
+    One row is padded with a zero row and taken the same way: MKL's one-row product (x @ W^T and W @ x alike)
+    streams the weights about half as fast as its two-row one, so a plain step through two rows costs 0.55-0.6x
+    one through nn.Linear (thirteenth stop). At 5 or more rows nn.Linear's path was no slower, so those keep it,
+    as do other dtypes and devices. Same numbers up to float summation order. The product is returned contiguous:
+    handed on transposed, the projections' outputs sent attention down a path whose cost grows with the context
+    (at 2,048 tokens two rows' plain step 0.75x and four rows' 0.58x as fast as nn.Linear's, eleventh stop)."""
 
-    min_rows: int = 2
-    """Fewest rows (batch x tokens) taken the other way round."""
+    min_rows: int = 1
+    """Fewest rows (batch x tokens) taken the other way round (one row is padded to two)."""
     max_rows: int = 4
     """Most rows taken the other way round."""
 
@@ -196,7 +198,10 @@ class SmallRowLinear(torch.nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if self.min_rows <= rows <= self.max_rows and x.dtype == torch.float32 \
                 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
-            y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+            flat = x.reshape(rows, x.shape[-1])
+            if rows == 1:  # the zero row's column is dropped below
+                flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+            y = torch.mm(self.weight, flat.t()).t()[:rows].contiguous()
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*x.shape[:-1], self.out_features)

@@ -30,13 +30,14 @@ def test_small_rows_compute_what_linear_computes():
         assert torch.allclose(square(x), torch.nn.functional.linear(x, square.weight), atol=1e-5)
     calls = []
     mm = torch.mm
-    try:  # W @ x^T is taken for 2-4 rows only (the rows where it measured faster), nn.Linear's path elsewhere
+    try:  # W @ x^T is taken for 1-4 rows only (the rows where it measured faster; one row padded to two),
+        # nn.Linear's path elsewhere
         torch.mm = lambda *a: calls.append(a[1].shape[1]) or mm(*a)
         for rows in range(1, 8):
             small(torch.randn(rows, 48))
     finally:
         torch.mm = mm
-    assert calls == [2, 3, 4]
+    assert calls == [2, 2, 3, 4]
     double = SmallRowLinear(8, 8).double()  # other dtypes take nn.Linear's path
     x = torch.randn(2, 8, dtype=torch.float64)
     assert torch.equal(double(x), torch.nn.functional.linear(x, double.weight, double.bias))

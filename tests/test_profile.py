@@ -52,3 +52,48 @@ def test_profile_grid_is_what_the_cost_model_reads(tmp_path, capsys):
     assert "B=3" in capsys.readouterr().out
     assert run_cli(profile_main, args + ["--batch-sizes", "", "--grid-context-lens", "16,512"]) == 2
     assert "--grid-context-lens needs --batch-sizes" in capsys.readouterr().err
+
+
+def test_context_fit_recovers_lines_through_noise_and_refits_from_the_medians(tmp_path, capsys):
+    """fit_grid_in_context: cells on exact lines in the context come back unchanged; the same lines with a tenth's
+    noise per cell come back closer to the lines than the noisy cells (over many draws); the medians are kept and
+    a refit starts from them, so refitting twice is refitting once; --refit --context-fit none restores them."""
+    import numpy as np
+
+    from bench.profile_cli import profile_main
+    from decoding.config import run_cli
+    from env.profile import fit_grid_in_context
+
+    contexts = [64, 512, 1024, 2048]
+    c = np.asarray(contexts, dtype=float)
+    base = np.array([0.05, 0.09])[:, None, None] + 1e-5 * c[None, :, None] * np.arange(1, 4)[None, None, :]  # (b, c, k)
+    exact = {"batch_sizes": [1, 2], "context_lens": contexts, "verify_s": base.tolist(),
+             "draft_s_per_token": np.zeros((2, 4)).tolist(), "measured": True}
+    np.testing.assert_allclose(fit_grid_in_context(exact)["verify_s"], base, rtol=1e-9)
+    rng = np.random.default_rng(0)
+    raw_err, fit_err = [], []
+    for _ in range(200):
+        noisy = base * np.exp(rng.normal(0, 0.1, base.shape))
+        fitted = np.asarray(fit_grid_in_context({**exact, "verify_s": noisy.tolist()})["verify_s"])
+        raw_err.append(np.abs(np.log(noisy / base)).mean())
+        fit_err.append(np.abs(np.log(fitted / base)).mean())
+    assert np.mean(fit_err) < 0.8 * np.mean(raw_err)
+    falling = base[:, ::-1].copy()  # cost falling with the context: noise, held flat at each (b, k)'s mean
+    flat = np.asarray(fit_grid_in_context({**exact, "verify_s": falling.tolist()})["verify_s"])
+    np.testing.assert_allclose(flat, np.broadcast_to(falling.mean(axis=1, keepdims=True), falling.shape))
+    two = {**exact, "context_lens": [64, 512], "verify_s": base[:, :2].tolist(), "draft_s_per_token": [[0, 0], [0, 0]]}
+    assert fit_grid_in_context(two) is two  # two points: nothing to average
+    noisy = (base * np.exp(rng.normal(0, 0.1, base.shape))).tolist()
+    once = fit_grid_in_context({**exact, "verify_s": noisy})
+    assert once["verify_s_measured"] == noisy and once["context_fit"] == "linear"
+    assert fit_grid_in_context(once)["verify_s"] == once["verify_s"]
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"context_lens": [64], "verify_s": [[0.05, 0.06]], "draft_s_per_token": [0.0],
+                                "grid": {**exact, "verify_s": noisy}}))
+    assert profile_main(["--refit", str(path)]) == 0
+    assert json.loads(path.read_text())["grid"]["verify_s"] == once["verify_s"]
+    assert profile_main(["--refit", str(path), "--context-fit", "none"]) == 0
+    assert json.loads(path.read_text())["grid"]["verify_s"] == noisy
+    capsys.readouterr()
+    assert run_cli(profile_main, ["--refit", str(path), "--context-fit", "cubic"]) == 2
+    assert "--context-fit must be one of" in capsys.readouterr().err
