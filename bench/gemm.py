@@ -2,7 +2,8 @@
 
 A verify pass of k >= 1 drafted tokens costs this CPU 1.6-2.1x a plain step at one row, and that ratio decides
 when drafting pays. Most of it is the kernel: torch's x @ W^T for 2-4 rows is 2-2.5x the cost of one row here,
-while the same product handed over as W @ x^T is not (`decoding.models.SmallRowLinear`). This times real steps
+while the same product handed over as W @ x^T is not (`decoding.models.SmallRowLinear`), and one row padded
+with a zero row to two costs less than one row either way (a plain step 1.44x faster). This times real steps
 of the loop (`speculative_step` verifying k random drafted tokens, as `profile_device.py` does) with nn.Linear
 and with SmallRowLinear, alternating within each repeat so that the machine's drift cancels, and reports per
 (batch size, k) the median step of each, their paired ratio with an interval, and each path's verify cost over

@@ -78,8 +78,8 @@ class ProfileConfig:
     """Model dtype: auto | float32 | bfloat16 | float16."""
     gemm: str = "auto"
     """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
-    (decoding.models.SmallRowLinear, W @ x^T for 2-4 rows: cheaper verify passes of 1-3 drafted tokens on this
-    CPU; `python -m bench.gemm` times both)."""
+    (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
+    of 1-3 drafted tokens on this CPU; `python -m bench.gemm` times both)."""
     context_fit: str = "linear"
     """How a measured grid (--grid-context-lens, three lengths or more) is smoothed over the context: linear (per
     batch size and k, the least-squares line through its cells, env.profile.fit_grid_in_context; the medians
