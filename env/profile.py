@@ -107,8 +107,8 @@ def fit_grid_in_context(grid: dict) -> dict:
     """The grid with each (batch size, k)'s verify seconds, and each batch size's draft seconds, replaced by their
     least-squares line in the context length: a step reads the cache once, so its cost is linear in the context,
     and one cell's median of a few repeats on a shared CPU is off by a tenth (the profile's `noise`); the line
-    through four cells averages that out (a falling line is held flat at the mean). The medians are kept as verify_s_measured / draft_s_per_token_measured
-    (a refit starts from them again). Fewer than three context lengths: returned unchanged. Seconds are floored
+    through four cells averages that out (a falling line is held flat at the mean). The medians are kept as
+    verify_s_measured / draft_s_per_token_measured (a refit starts from them again). Fewer than three context lengths: returned unchanged. Seconds are floored
     at half the smallest measured cell of their row, so that no line goes to zero."""
     contexts = np.asarray(grid["context_lens"], dtype=np.float64)
     if len(contexts) < 3:
