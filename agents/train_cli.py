@@ -37,6 +37,7 @@ from env.oracle import CostModel, load_draft_traces, load_profile, truncate
 from env.replay_env import MachineCondition, replay_steps_per_second
 
 from .ensemble import merge_policies
+from .defer import defer_table, describe, write_defer
 from .export import export_policy, write_policy
 from .improve import improve_policy
 from .ppo import EnvFns, fit_rollouts, load_hyperparams, split_budget, train
@@ -464,6 +465,14 @@ def train_main(argv: list[str] | None = None) -> int:
             members.append(member_out / "policy.json")
         meta_path = merge_policies(members, out)
         how = f"the mean of {len(seeds)} seeds' policies ({', '.join(map(str, seeds))}), checked against theirs"
+    if mode in ("replay", "both") and hp.get("defer_margin") is not None:  # where the tuned rule decides instead
+        rule, rule_traces, cost, hardware = _best_rule(cfg, hp, device_key, draft.name,
+                                                       {p.question_id for p in train_prompts}, torch_device, batch_sizes, out)
+        mlp = LearnedK.load(meta_path, device=device_key, draft=draft.name, defer=False)
+        table, ratios = defer_table(mlp, rule, rule_traces, cost, k_max, hardware, batch_sizes, int(hp["max_new_tokens"]),
+                                    float(hp["defer_margin"]))
+        write_defer(meta_path, table, ratios, float(hp["defer_margin"]))
+        print(f"specpilot: the tuned rule's batch sizes (train-split replay): {describe(table, ratios)}", file=sys.stderr)
     learned = LearnedK.load(meta_path, device=device_key, draft=draft.name)
     print(f"specpilot: exported {meta_path} ({how}); one decision takes "
           f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)

@@ -206,19 +206,20 @@ def _checkpoint(cfg) -> Path:
 
 
 def _range_report(policies: dict) -> dict:
-    """{name: {"calls", "out_of_range", "non_finite", "clipped"}} of the learned policies: decisions whose input
-    was clipped into the trained range (policies that record it; "clipped": how often, per feature) or was not
-    finite (k = 0 taken instead)."""
+    """{name: {"calls", "out_of_range", "non_finite", "clipped", "deferred"}} of the learned policies: decisions
+    whose input was clipped into the trained range (policies that record it; "clipped": how often, per feature) or
+    was not finite (k = 0 taken instead); "deferred": decisions its tuned rules made (LearnedK.defer)."""
     return {n: {"calls": p.calls, "out_of_range": p.out_of_range, "non_finite": p.non_finite,
-                "clipped": p.clipped_features()}
-            for n, p in policies.items() if hasattr(p, "non_finite") and p.calls}
+                "clipped": p.clipped_features(), "deferred": p.deferred}
+            for n, p in policies.items() if hasattr(p, "non_finite") and (p.calls or p.deferred)}
 
 
 def _print_range_report(report: dict) -> None:
     for name, row in report.items():
         which = ", ".join(f"{f} {c}" for f, c in list(row["clipped"].items())[:3])
         print(f"{name}: {row['out_of_range']} of {row['calls']} decisions saw a feature outside its trained range "
-              f"(clipped into it{': ' + which if which else ''}); {row['non_finite']} saw a non-finite one (k = 0 instead)")
+              f"(clipped into it{': ' + which if which else ''}); {row['non_finite']} saw a non-finite one (k = 0 instead)"
+              + (f"; {row['deferred']} more were made by its deferred rules" if row.get("deferred") else ""))
 
 
 def _policy_sources(policies: dict) -> dict:
@@ -422,7 +423,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm)
     draft = load_draft(cfg.draft, target, cfg.dtype)
     learned = {n: parse_policy(n, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key, draft=draft.name)
-               for n in names if n.split(":")[0] == "learned"}
+               for n in names if n.split(":")[0] in ("learned", "learned-mlp")}
     cfg.k_max = resolve_k_max(cfg.k_max, learned.values())
     policies = {}
     for n in names:

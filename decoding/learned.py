@@ -18,7 +18,7 @@ from .errors import SpecPilotError
 from .hardware import resolve_device
 from .observation import FEATURES
 from .paths import POLICIES, slug
-from .policies import LengthPolicy
+from .policies import LengthPolicy, at_or_below, batch_of
 
 FORMAT_VERSION = 1
 MIN_FEATURE_STD = 0.02
@@ -54,10 +54,19 @@ _ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
 
 
 class LearnedK(LengthPolicy):
-    def __init__(self, meta: dict, weights: dict[str, np.ndarray], path: str = ""):
+    def __init__(self, meta: dict, weights: dict[str, np.ndarray], path: str = "", defer: bool = True):
+        """`defer=False` ignores the policy's `defer` entry: the MLP decides at every batch size."""
         self.meta, self.path = meta, path
-        self.name = "learned"
+        self.name = "learned" if defer else "learned-mlp"
         self.k_max = int(meta["k_max"])
+        self.defer: dict[int, LengthPolicy | None] = {}
+        """{batch size: tuned rule, or None for the MLP} (meta `defer`, written by `python -m agents.defer` and by
+        train_policy.py where the train-split replay put the rule ahead of the fitted MLP): a batch of B rows is
+        decided by the entry of the largest listed size <= B. Empty: the MLP decides everywhere."""
+        self.deferred = 0
+        """Decisions the rules of `defer` made."""
+        if defer and meta.get("defer"):
+            self.defer = _deferred_rules(meta["defer"], self.k_max, path)
         # the features it reads, in its order: all of this version's, or (a policy exported before features were
         # added) a subset, taken from the observation by name
         self.features = list(meta.get("features") or FEATURES)
@@ -110,8 +119,9 @@ class LearnedK(LengthPolicy):
 
     @classmethod
     def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None,
-             draft: str | None = None) -> "LearnedK":
+             draft: str | None = None, defer: bool = True) -> "LearnedK":
         """Load policy.json (+ policy.safetensors beside it); `path` may be either file or their folder.
+        `defer=False`: the MLP alone, ignoring the policy's `defer` rules (see `LearnedK.defer`).
 
         `draft`: the drafter it will run with; a policy trained with another drafter is refused (its
         acceptance features mean something else)."""
@@ -156,9 +166,11 @@ class LearnedK(LengthPolicy):
         weights_path = path.parent / meta["weights"] if "weights" in meta else path.with_suffix(".safetensors")
         try:
             weights = load_file(str(weights_path))
-            policy = cls(meta, weights, str(path))
+            policy = cls(meta, weights, str(path), defer=defer)
         except FileNotFoundError:
             raise SpecPilotError(f"policy weights not found: {weights_path}") from None
+        except SpecPilotError:
+            raise
         except Exception as exc:  # safetensors raises its own error types for truncated or foreign files
             raise SpecPilotError(f"corrupt or incompatible policy weights {weights_path}: {type(exc).__name__}: {exc}") from None
         policy._check_shapes()
@@ -211,7 +223,14 @@ class LearnedK(LengthPolicy):
 
         A non-finite input (NaN, inf) in a feature the policy reads raises in `strict` mode (tests); else the
         step drafts nothing (k = 0, never an arbitrary action) and `non_finite` counts it. A pinned feature
-        is ignored, whatever it holds."""
+        is ignored, whatever it holds.
+
+        At a batch size listed in `defer` (or above it) the tuned rule decides instead."""
+        if self.defer:
+            rule = at_or_below(self.defer, batch_of(obs))
+            if rule is not None:
+                self.deferred += 1
+                return rule.choose_k(obs)
         x = np.asarray(obs, dtype=np.float64)
         if self._columns is not None:
             x = x[self._columns]
@@ -236,6 +255,16 @@ class LearnedK(LengthPolicy):
                 self.clipped_by_feature += (clipped != x) & self._read
         return self.action_to_k[int(np.argmax(self._forward(clipped)))]
 
+    def reset(self) -> None:
+        for rule in self.defer.values():
+            if rule is not None:
+                rule.reset()
+
+    def update(self, step) -> None:
+        for rule in self.defer.values():
+            if rule is not None:
+                rule.update(step)
+
     def clipped_features(self) -> dict[str, int]:
         """{feature: decisions in which it was clipped into the trained range}, most often clipped first (the
         features behind `out_of_range`: an unseen context length reads as the longest trained one)."""
@@ -251,3 +280,22 @@ class LearnedK(LengthPolicy):
         for _ in range(calls):
             self.choose_k(obs)
         return (time.perf_counter() - t0) / calls
+
+
+def _deferred_rules(defer: dict, k_max: int, path: str) -> dict[int, LengthPolicy | None]:
+    """{batch size: rule policy or None} from a policy's `defer` entry ({"1": null, "8": "match:2:3", ...})."""
+    from .policies import parse_policy  # noqa: I001 (policies.py builds LearnedK lazily)
+
+    rules = {}
+    for batch, spec in defer.items():
+        try:
+            size = int(batch)
+        except (TypeError, ValueError):
+            size = 0
+        if size < 1 or not (spec is None or isinstance(spec, str)) or str(spec).startswith("learned"):
+            raise SpecPilotError(f"policy {path}: defer entry {batch!r}: {spec!r} is not (batch size >= 1: rule or null)")
+        try:
+            rules[size] = None if spec is None else parse_policy(spec, k_max)
+        except SpecPilotError as exc:
+            raise SpecPilotError(f"policy {path}: defer entry {batch!r}: {exc}") from None
+    return dict(sorted(rules.items()))

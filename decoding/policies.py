@@ -253,7 +253,7 @@ class PerBatchK(LengthPolicy):
 
 POLICY_HELP = ("none | static:K | heuristic | confidence:T | match:N[:K] | sglang-adaptive[:C1/C2/..[:ALPHA]] | "
                "trtllm:B=K/B=K/..[:WINDOW:THRESHOLD] | learned | learned:PATH "
-               "(benchmark also: oracle, batch-table)")
+               "| learned-mlp[:PATH] (the MLP alone, without its deferred rules) (benchmark also: oracle, batch-table)")
 
 
 def resolve_k_max(requested: int | None, policies) -> int:
@@ -317,10 +317,10 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
                     raise SpecPilotError(f"k={k} is outside [0, k_max={k_max}]")
                 return TrtllmK(None, window, threshold, k)
             return TrtllmK({int(b): int(k) for b, _, k in entries}, window, threshold, k_max)
-        if name == "learned":
+        if name in ("learned", "learned-mlp"):
             from .learned import LearnedK  # noqa: I001 (learned.py builds on this module: LengthPolicy)
 
-            return LearnedK.load(arg or None, **learned_kwargs)
+            return LearnedK.load(arg or None, defer=name == "learned", **learned_kwargs)
     except ValueError:
         pass
     raise SpecPilotError(f"unknown policy '{text}'; expected {POLICY_HELP}")

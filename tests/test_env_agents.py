@@ -464,6 +464,10 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert meta["training_steps"] == 0 and meta["warm_start"][0]["states"] > 0
     assert rules["split"] == "train" and rules["traces"] == 4 and set(rules["best_rule"]) == {"1", "2"}
     assert "low" in meta["normalization"] and LearnedK.load(folder, device="cpu").low is not None
+    # then the batch sizes where its MLP trails the tuned rule on the train-split replay go to that rule
+    ratios = meta["defer_evidence"]["mlp_over_rule"]
+    assert set(meta["defer"]) == set(ratios) == {"1", "2"} and meta["defer_evidence"]["margin"] == 0.0
+    assert all((meta["defer"][b] is None) == (ratios[b] >= 1.0) for b in ratios)
     # tracked (W&B stood in for): the warm start's rounds are logged as steps of one run, which is then closed
     import decoding.tracking
 

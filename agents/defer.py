@@ -1,0 +1,108 @@
+"""Where a learned policy hands k back to the tuned rule: `python -m agents.defer --device cpu --draft ngram:3`.
+
+One MLP decides k at every batch size, and where speculation gains little it can trail the tuned rule (on this
+CPU at 8 and 16 rows the best rule is ~1.04-1.05x plain decoding on the train split, and the MLP came out 2-4%
+behind it on held-out prompts: reports/README.md). This replays the policy's MLP alone beside the best rule of
+each batch size on the train split (noise-free replay env, the prompts both were fitted and tuned on) and
+writes into its policy.json a `defer` table, {batch size: rule or null}: the rule decides the batch sizes where
+the MLP is not at least `margin` ahead of it, the MLP the rest (LearnedK.defer). Nothing held out is read.
+`train_policy.py` runs the same step after training, with the YAML's `defer_margin`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.batch_table import BatchTableK
+from bench.tune_cli import rules_policy
+from decoding.config import parse_config, parse_ints, run_cli
+from decoding.errors import SpecPilotError
+from decoding.learned import LearnedK
+from decoding.paths import POLICIES, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
+from decoding.policies import PerBatchK, parse_policy
+from env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
+from env.replay_env import replay_evaluate
+
+from .ppo import load_hyperparams
+
+
+@dataclass
+class DeferConfig:
+    """Write where a learned policy defers to the tuned rule (its `defer` table), from the train-split replay."""
+
+    device: str = "cpu"
+    """Device key of the policy, cost profile, traces and tuned rules."""
+    draft: str = "ngram:3"
+    """Draft the policy was trained with."""
+    policy: str | None = None
+    """policy.json to gate (default: policies/DEVICE/DRAFT/policy.json)."""
+    margin: float | None = None
+    """The MLP keeps a batch size only where its train-split replay speed is >= (1 + margin) x the rule's; below
+    that the rule decides there (default: the YAML's `defer_margin`)."""
+    batch_sizes: str = ""
+    """Comma-separated batch sizes to decide (default: those the policy was trained on)."""
+    dry_run: bool = False
+    """Print the comparison and the table; write nothing."""
+
+
+def rule_spec(rule: PerBatchK, batch: int, k_max: int) -> str:
+    """The spelling (parse_policy's) of the tuned rule at this batch size: a batch table is its k there."""
+    chosen = rule.policy_for(batch)
+    spec = f"static:{chosen.k_for(batch)}" if isinstance(chosen, BatchTableK) else chosen.name
+    if parse_policy(spec, k_max).name != spec:
+        raise SpecPilotError(f"the tuned rule at B={batch} ('{spec}') has no spelling a policy file can hold")
+    return spec
+
+
+def defer_table(mlp: LearnedK, rule: PerBatchK, traces, cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
+                max_new_tokens: int, margin: float) -> tuple[dict[str, str | None], dict[int, float]]:
+    """({batch size: rule spelling, or None where the MLP keeps it}, {batch size: MLP / rule replay speed})."""
+    if margin < 0:
+        raise SpecPilotError(f"the defer margin is >= 0, got {margin:g}")
+    ratios, table = {}, {}
+    for b in sorted(batch_sizes):
+        got = replay_evaluate({"mlp": mlp, "rule": rule}, traces, cost, k_max, hardware, b, max_new_tokens)
+        ratios[b] = got["mlp"]["speedup"] / got["rule"]["speedup"]
+        table[str(b)] = rule_spec(rule, b, k_max) if ratios[b] < 1.0 + margin else None
+    return table, ratios
+
+
+def write_defer(meta_path: Path, table: dict, ratios: dict[int, float], margin: float) -> None:
+    """Record the table (and the evidence for it) in policy.json, atomically."""
+    meta = read_json_file(meta_path, "policy file", keys=("k_max",))
+    meta["defer"] = table
+    meta["defer_evidence"] = {"split": "train", "env": "replay", "margin": margin,
+                              "mlp_over_rule": {str(b): round(r, 5) for b, r in ratios.items()}}
+    atomic_write_text(meta_path, json.dumps(meta, indent=1) + "\n")
+
+
+def describe(table: dict, ratios: dict[int, float]) -> str:
+    return "; ".join(f"B={b} MLP/rule {ratios[int(b)]:.3f} -> {'MLP' if spec is None else spec}" for b, spec in table.items())
+
+
+def defer_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(DeferConfig, argv)
+    hp = load_hyperparams(cfg.device)
+    margin = float(hp.get("defer_margin") or 0.0) if cfg.margin is None else cfg.margin
+    meta_path = Path(cfg.policy) if cfg.policy else policy_dir(cfg.device, cfg.draft, POLICIES) / "policy.json"
+    mlp = LearnedK.load(meta_path, device=cfg.device, draft=cfg.draft, defer=False)
+    sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [int(b) for b in mlp.meta.get("batch_sizes") or [1]]
+    budget = int(mlp.meta.get("max_new_tokens") or hp["max_new_tokens"])
+    profile = load_profile(profile_path(cfg.device, cfg.draft), cfg.device)
+    traces, trace_meta = load_traces(traces_path(cfg.draft))
+    train = [truncate(t, budget) for t in train_traces(traces, trace_meta)]
+    rules = read_json_file(meta_path.parent / "rules.json", "tuned rules", keys=("best_rule",))
+    rule = rules_policy(rules["best_rule"], profile, train, mlp.k_max, cfg.draft)
+    table, ratios = defer_table(mlp, rule, train, CostModel.from_profile(profile), mlp.k_max, profile_hardware(profile),
+                                sizes, budget, margin)
+    print(f"{len(train)} train prompts, replay, {budget} tokens, margin {margin:g}: {describe(table, ratios)}")
+    if not cfg.dry_run:
+        write_defer(meta_path, table, ratios, margin)
+        print(f"written: {meta_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(defer_main))

@@ -1,0 +1,131 @@
+"""A learned policy that hands some batch sizes back to the tuned rule (LearnedK.defer, agents.defer): the table
+is chosen on the replay, written into policy.json, and the loaded policy decides exactly as the MLP below it and
+exactly as the rule from it up."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from agents.defer import defer_table, rule_spec, write_defer
+from agents.export import write_policy
+from agents.improve import as_policy
+from bench.batch_table import BatchTableK
+from decoding.errors import SpecPilotError
+from decoding.learned import LearnedK
+from decoding.loop import StepResult
+from decoding.observation import FEATURES
+from decoding.policies import PerBatchK, StaticK, TrtllmK, parse_policy
+from env.oracle import CostModel, Trace
+from env.replay_env import replay_evaluate
+
+K = 4
+MATCH = FEATURES.index("ngram_match_len")
+
+
+def traces(n: int = 8, length: int = 36) -> list[Trace]:
+    """Stretches where prompt lookup matches 3 tokens and every draft is right, between stretches where it
+    matches 1 and every draft is wrong."""
+    out = []
+    for q in range(n):
+        good = [((i + 2 * q) // 6) % 2 == 0 for i in range(length)]
+        out.append(Trace(f"t{q}", "c", list(range(10)), list(range(100 + q, 100 + q + length)),
+                         [K if g else 0 for g in good], [K] * length, match_lens=[3 if g else 1 for g in good], k_max=K))
+    return out
+
+
+def cost() -> CostModel:
+    """One row: a plain step 0.1 s, a verify of k >= 1 0.18 s (speculation pays on the good stretches). Two rows:
+    a plain step 0.12 s, a verify of k >= 1 1.0 s (it never pays)."""
+    one = [0.1] + [0.18] * K
+    return CostModel([0, 10000], [one, one], [0.0, 0.0], batch_sizes=[1, 2],
+                     batch_verify_s=[one, [0.12] + [1.0] * K], batch_draft_s=[0.0, 0.0])
+
+
+def match_mlp(meta: dict | None = None) -> LearnedK:
+    """A one-layer 'MLP' that drafts K where the match is >= 3 tokens, else nothing."""
+    n = len(FEATURES)
+    w = np.zeros((K + 1, n), dtype=np.float32)
+    b = np.full(K + 1, -100.0, dtype=np.float32)
+    w[K, MATCH], b[K], b[0] = 10.0, -20.0, 0.0
+    norm = {"mean": [0.0] * n, "var": [1.0] * n, "epsilon": 1e-8, "clip": 100.0}
+    return as_policy([(w, b)], norm, "tanh", K, meta)
+
+
+def obs(batch: int, match: float) -> np.ndarray:
+    o = np.zeros(len(FEATURES), dtype=np.float32)
+    o[FEATURES.index("batch_size_log")] = math.log(batch)
+    o[MATCH] = match
+    return o
+
+
+def test_the_table_keeps_the_mlp_where_it_wins_and_the_rule_where_it_does_not():
+    data, c = traces(), cost()
+    rule = PerBatchK({1: StaticK(1), 2: StaticK(0)}, "best-rule")
+    table, ratios = defer_table(match_mlp(), rule, data, c, K, None, [1, 2], 36, margin=0.0)
+    direct = {b: replay_evaluate({"mlp": match_mlp(), "rule": rule}, data, c, K, None, b, 36) for b in (1, 2)}
+    for b in (1, 2):
+        assert ratios[b] == pytest.approx(direct[b]["mlp"]["speedup"] / direct[b]["rule"]["speedup"])
+    assert ratios[1] > 1.1 and ratios[2] < 0.9
+    assert table == {"1": None, "2": "static:0"}
+    # a margin larger than the MLP's lead hands that batch size to the rule too
+    wide, _ = defer_table(match_mlp(), rule, data, c, K, None, [1, 2], 36, margin=ratios[1] - 1.0 + 0.01)
+    assert wide == {"1": "static:1", "2": "static:0"}
+    with pytest.raises(SpecPilotError, match="margin"):
+        defer_table(match_mlp(), rule, data, c, K, None, [1], 36, margin=-0.1)
+
+
+def test_a_written_table_makes_the_loaded_policy_the_mlp_below_and_the_rule_above(tmp_path):
+    data, c = traces(), cost()
+    mlp = match_mlp({"draft": "ngram:3"})
+    path = write_policy(tmp_path / "p", [(wt.T, b) for wt, b in mlp.layers], mlp.meta["normalization"],
+                        "tanh", K, "cpu", "test", 0, {"draft": "ngram:3"})
+    rule = PerBatchK({1: StaticK(1), 2: StaticK(0)}, "best-rule")
+    table, ratios = defer_table(mlp, rule, data, c, K, None, [1, 2], 36, margin=0.0)
+    write_defer(path, table, ratios, 0.0)
+    meta = json.loads(path.read_text())
+    assert meta["defer"] == table and meta["defer_evidence"]["split"] == "train"
+    gated = parse_policy(f"learned:{path}", device="cpu")
+    alone = parse_policy(f"learned-mlp:{path}", device="cpu")
+    assert gated.name == "learned" and alone.name == "learned-mlp" and not alone.defer
+    for match in (1.0, 3.0):
+        assert gated.choose_k(obs(1, match)) == alone.choose_k(obs(1, match)) == (K if match >= 3 else 0)
+        assert gated.choose_k(obs(2, match)) == 0 and alone.choose_k(obs(2, match)) == (K if match >= 3 else 0)
+        assert gated.choose_k(obs(16, match)) == 0  # above the largest listed size: its entry
+    assert gated.deferred == 4 and gated.calls == 2
+    got = {b: replay_evaluate({"gated": gated, "mlp": alone, "rule": rule}, data, c, K, None, b, 36) for b in (1, 2)}
+    assert got[1]["gated"]["speedup"] == got[1]["mlp"]["speedup"]
+    assert got[2]["gated"]["speedup"] == got[2]["rule"]["speedup"] > got[2]["mlp"]["speedup"]
+
+
+def test_deferred_rules_see_every_update_and_reset():
+    """A rule with state (TensorRT-LLM's acceptance cut-off) behaves the same inside the policy as alone."""
+    mlp = match_mlp()
+    gated = LearnedK({**mlp.meta, "defer": {"1": None, "8": "trtllm:3:4:0.5"}},
+                     {f"layer0.{p}": v for p, v in zip(("weight", "bias"), (mlp.layers[0][0].T, mlp.layers[0][1]))})
+    alone = TrtllmK(None, 4, 0.5, 3)
+    for policy in (gated, alone):
+        chosen = []
+        for accepted in (3, 0, 0, 0, 0, 0, 3):
+            k = policy.choose_k(obs(8, 3.0))
+            chosen.append(k)
+            policy.update(StepResult(k=k, k_requested=k, accepted=min(accepted, k), new_tokens=[], draft_s=0.0,
+                                     verify_s=0.0, accepted_rows=[min(accepted, k)] * 8))
+        policy.reset()
+        policy.chosen = chosen
+    assert gated.chosen == alone.chosen and gated.chosen[0] == 3 and gated.chosen[-1] == 0  # cut off, and stays off
+    assert gated.choose_k(obs(8, 3.0)) == 3  # reset turned it back on
+
+
+def test_rule_spellings_and_bad_tables():
+    table_rule = PerBatchK({1: StaticK(3), 2: BatchTableK({1: 3, 2: 1}, K)}, "best-rule")
+    assert rule_spec(table_rule, 2, K) == "static:1" and rule_spec(table_rule, 1, K) == "static:3"
+    mlp = match_mlp()
+    weights = {"layer0.weight": mlp.layers[0][0].T, "layer0.bias": mlp.layers[0][1]}
+    for bad, message in (({"0": "static:1"}, "batch size"), ({"x": "static:1"}, "batch size"),
+                         ({"8": "learned"}, "rule"), ({"8": "static:99"}, "outside"), ({"8": 3}, "rule")):
+        with pytest.raises(SpecPilotError, match=message):
+            LearnedK({**mlp.meta, "defer": bad}, weights, "p.json")
+    assert not LearnedK({**mlp.meta, "defer": {"8": "static:1"}}, weights, defer=False).defer
