@@ -29,7 +29,8 @@ class GenerateConfig:
     max_new_tokens: int = 128
     """Generate at most this many tokens."""
     policy: str = "heuristic"
-    """Draft-length policy: none | static:K | heuristic | confidence:T | match:N[:K] | learned | learned:PATH."""
+    """Draft-length policy: none | static:K | heuristic | confidence:T | match:N[:K] | learned | learned:PATH |
+    learned-mlp[:PATH] (the MLP alone, without the tuned rules it defers to at some batch sizes)."""
     draft: str = "ngram"
     """Drafter: ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)."""
     target: str = "embedded"

@@ -18,7 +18,7 @@ from .errors import SpecPilotError
 from .hardware import resolve_device
 from .observation import FEATURES
 from .paths import POLICIES, slug
-from .policies import LengthPolicy, at_or_below, batch_of
+from .policies import LengthPolicy, at_or_below, batch_of, parse_policy
 
 FORMAT_VERSION = 1
 MIN_FEATURE_STD = 0.02
@@ -225,7 +225,8 @@ class LearnedK(LengthPolicy):
         step drafts nothing (k = 0, never an arbitrary action) and `non_finite` counts it. A pinned feature
         is ignored, whatever it holds.
 
-        At a batch size listed in `defer` (or above it) the tuned rule decides instead."""
+        Where `defer` holds a rule for the batch (the entry of the largest listed size <= its live rows), that rule
+        decides instead."""
         if self.defer:
             rule = at_or_below(self.defer, batch_of(obs))
             if rule is not None:
@@ -284,8 +285,6 @@ class LearnedK(LengthPolicy):
 
 def _deferred_rules(defer: dict, k_max: int, path: str) -> dict[int, LengthPolicy | None]:
     """{batch size: rule policy or None} from a policy's `defer` entry ({"1": null, "8": "match:2:3", ...})."""
-    from .policies import parse_policy  # noqa: I001 (policies.py builds LearnedK lazily)
-
     rules = {}
     for batch, spec in defer.items():
         try:

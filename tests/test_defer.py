@@ -129,3 +129,24 @@ def test_rule_spellings_and_bad_tables():
         with pytest.raises(SpecPilotError, match=message):
             LearnedK({**mlp.meta, "defer": bad}, weights, "p.json")
     assert not LearnedK({**mlp.meta, "defer": {"8": "static:1"}}, weights, defer=False).defer
+
+
+def test_a_deferring_policy_is_lossless_as_rows_end_and_the_batch_shrinks(tiny_pair):
+    """Two rows decided by the rule (static:3) until one ends at EOS, then one row by the MLP: every row's tokens
+    are its own greedy decoding."""
+    from conftest import plain_greedy, tiny_target
+
+    from decoding.drafters import NgramDrafter
+    from decoding.loop import generate
+
+    model, _ = tiny_pair
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 13, 2, 7, 5, 9]]
+    mlp = match_mlp()
+    gated = LearnedK({**mlp.meta, "defer": {"1": None, "2": "static:3"}},
+                     {"layer0.weight": mlp.layers[0][0].T, "layer0.bias": mlp.layers[0][1]})
+    eos = plain_greedy(model, prompts[1], 30)[6]
+    references = [plain_greedy(model, p, 30, eos=eos) for p in prompts]
+    assert len(references[1]) < len(references[0])  # the second row ends first
+    result = generate(tiny_target(model, eos=eos), NgramDrafter(3), gated, prompts, 30)
+    assert result.token_ids == references
+    assert gated.deferred > 0 and gated.calls > 0  # both the rule and the MLP decided
