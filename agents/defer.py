@@ -86,6 +86,8 @@ def defer_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(DeferConfig, argv)
     hp = load_hyperparams(cfg.device)
     margin = float(hp.get("defer_margin") or 0.0) if cfg.margin is None else cfg.margin
+    if margin < 0:
+        raise SpecPilotError(f"--margin is >= 0, got {margin:g}")
     meta_path = Path(cfg.policy) if cfg.policy else policy_dir(cfg.device, cfg.draft, POLICIES) / "policy.json"
     mlp = LearnedK.load(meta_path, device=cfg.device, draft=cfg.draft, defer=False)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [int(b) for b in mlp.meta.get("batch_sizes") or [1]]

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agents.defer import defer_main
 from agents.export import write_policy
 from agents.train_cli import train_main
 from bench.benchmark_cli import benchmark_main
@@ -19,7 +20,7 @@ from decoding.generate_cli import generate_main
 from decoding.observation import FEATURES
 
 MAINS = {"benchmark": benchmark_main, "generate": generate_main, "train": train_main, "profile": profile_main,
-         "tune": tune_main}
+         "tune": tune_main, "defer": defer_main}
 
 
 def make_files(root: Path) -> dict[str, str]:
@@ -54,6 +55,8 @@ def make_files(root: Path) -> dict[str, str]:
     meta_json = json.loads((policy / "policy.json").read_text())
     del meta_json["layers"]
     (incomplete / "policy.json").write_text(json.dumps(meta_json))
+    bad_defer = root / "policy_defer"
+    write_policy(bad_defer, layers, norm, "tanh", 4, "cpu", "test", 0, {"draft": "ngram:3", "defer": {"2": "warp:9"}})
     run_dir = root / "train" / "cpu" / "ngram-3" / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plain_speed.json").write_text("{\"context_lens\": [32], \"seconds\": ")
@@ -89,6 +92,10 @@ def cases(f: dict[str, str], target: str) -> list[tuple[str, list[str], str]]:
                                 "learned:" + f["policy/"], "--k-max", "6"], "conflicts with the learned policy's k_max 4"),
         ("benchmark", replay + ["--profile", f["profile.json"], "--traces", f["traces.json"], "--policies",
                                 "learned:" + f["policy_keys/"]], "lacks the keys ['layers']"),
+        ("benchmark", replay + ["--profile", f["profile.json"], "--traces", f["traces.json"], "--policies",
+                                "learned:" + f["policy_defer/"]], "defer entry '2': unknown policy 'warp:9'"),
+        ("defer", ["--device", "cpu", "--policy", f["policy/"] + "policy.json", "--margin", "-0.1"], "--margin is >= 0"),
+        ("defer", ["--device", "cpu", "--policy", f["root"] + "/nowhere/policy.json"], "policy file not found"),
         ("generate", ["--target", target, "--prompt-file", f["latin1.txt"]], "is not UTF-8 text"),
         ("generate", ["--target", target, "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         ("generate", ["--target", target, "--prompt", "x", "--policy", "learned:" + f["policy/"], "--k-max", "8"],

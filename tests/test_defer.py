@@ -150,3 +150,29 @@ def test_a_deferring_policy_is_lossless_as_rows_end_and_the_batch_shrinks(tiny_p
     result = generate(tiny_target(model, eos=eos), NgramDrafter(3), gated, prompts, 30)
     assert result.token_ids == references
     assert gated.deferred > 0 and gated.calls > 0  # both the rule and the MLP decided
+
+
+def test_the_committed_cpu_policys_table_is_what_the_command_writes(tmp_path, monkeypatch):
+    """`python -m agents.defer` on a copy of the committed CPU policy (its profile, traces and tuned rules)
+    writes the table the committed policy holds, from the train split."""
+    import shutil
+    from pathlib import Path
+
+    from agents.defer import defer_main
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the profile and traces paths are relative to the repository
+    committed = root / "policies" / "cpu" / "ngram-3"
+    meta = json.loads((committed / "policy.json").read_text())
+    for name in ("policy.json", meta["weights"], "rules.json"):
+        shutil.copy(committed / name, tmp_path / name)
+    copy = json.loads((tmp_path / "policy.json").read_text())
+    copy.pop("defer"), copy.pop("defer_evidence")
+    (tmp_path / "policy.json").write_text(json.dumps(copy))
+    assert defer_main(["--device", "cpu", "--draft", "ngram:3", "--policy", str(tmp_path / "policy.json"),
+                       "--margin", "0"]) == 0
+    written = json.loads((tmp_path / "policy.json").read_text())
+    assert written["defer"] == meta["defer"]
+    assert written["defer_evidence"]["mlp_over_rule"] == pytest.approx(meta["defer_evidence"]["mlp_over_rule"], abs=1e-4)
+    loaded = LearnedK.load(tmp_path, device="cpu", draft="ngram:3")
+    assert set(loaded.defer) == {1, 2, 4, 8, 16} and [loaded.defer[b] is None for b in (1, 2, 4)] == [True] * 3
