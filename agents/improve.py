@@ -229,10 +229,11 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
                    episodes: dict[int, int], max_new_tokens: int, rounds: int, hidden: list[int], activation: str,
                    epochs: int = 200, seed: int = 0, progress: bool = True, log=None, context_lens: list[int] = (),
                    conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
-                   workers: int = 1, labels: str = "rollout"):
+                   workers: int = 1, labels: str = "rollout", batch_weights: dict[int, float] | None = None):
     """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
     under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
-    (DAgger: the datasets are pooled) and refits. Returns (layers, normalisation, per-round history)."""
+    (DAgger: the datasets are pooled) and refits (`batch_weights`: {batch size: weight of its states in the
+    fit}, 1 for the rest). Returns (layers, normalisation, per-round history)."""
     data, policy, history, layers, norm = None, base, [], None, None
     for r in range(rounds):
         new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
@@ -240,7 +241,7 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
                       conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter, workers=workers,
                       labels=labels)
         data = new if data is None else merge(data, new)
-        layers, norm = fit(data, hidden, activation, epochs, seed=seed + r)
+        layers, norm = fit(data, hidden, activation, epochs, seed=seed + r, batch_weights=batch_weights)
         fitted = as_policy(layers, norm, activation, k_max)
         row = {"round": r + 1, "states": int(len(data.obs)), "base_regret": float(new.regret.mean()),
                "fitted_regret": mean_regret(fitted, data)}

@@ -237,7 +237,8 @@ def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, tr
         list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=seed, progress=cfg.progress,
         log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts, conditions=conditions,
         hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=float(hp.get("replay_cost_jitter") or 0.0),
-        workers=int(hp.get("rollout_workers") or 0), labels=labels)
+        workers=int(hp.get("rollout_workers") or 0), labels=labels,
+        batch_weights={int(b): float(w) for b, w in (hp.get("rollout_batch_weights") or {}).items()})
     return (layers, norm), history
 
 

@@ -139,3 +139,25 @@ def test_behaviour_cloning_of_the_oracle_recovers_its_k_where_the_features_decid
     assert scores["learned"]["fraction_of_oracle"] == pytest.approx(1.0, abs=0.02)
     with pytest.raises(SpecPilotError, match="'rollout' or 'oracle'"):
         collect(StaticK(1), data_traces, c, K, None, [1], {1: 1}, 36, progress=False, labels="dp")
+
+
+def test_batch_weights_decide_between_batch_sizes_that_disagree(monkeypatch):
+    """The same observations labelled k = K at one row and k = 0 at two rows: the fit follows the batch size
+    whose states weigh, and improve_policy hands its `batch_weights` to the fit."""
+    from agents import improve
+    from agents.improve import Dataset
+
+    rng = np.random.default_rng(0)
+    obs = rng.standard_normal((200, len(FEATURES))).astype(np.float32)
+    want_k, want_0 = np.ones((200, K + 1), np.float32), np.ones((200, K + 1), np.float32)
+    want_k[:, K] = 0.0
+    want_0[:, 0] = 0.0
+    data = Dataset(np.concatenate([obs, obs]), np.concatenate([want_k, want_0]), np.array([1] * 200 + [2] * 200))
+    for weights, k in (({2: 0.0}, K), ({1: 0.0}, 0)):
+        policy = as_policy(*fit(data, [16], epochs=300, batch_weights=weights), "tanh", K)
+        assert all(policy.choose_k(o) == k for o in obs[:20])
+    seen = []
+    monkeypatch.setattr(improve, "fit", lambda *a, **kw: (seen.append(kw["batch_weights"]), fit(*a, **kw))[1])
+    improve_policy(StaticK(1), traces(2), cost(), K, None, [1], {1: 2}, 36, rounds=1, hidden=[8], activation="tanh",
+                   epochs=2, progress=False, batch_weights={1: 2.0})
+    assert seen == [{1: 2.0}]
