@@ -129,3 +129,16 @@ def tiny_model_dirs(tmp_path_factory):
         "other_tokenizer": save_tiny_model(root / "other", seed=1, shift=7),
         "short_window": save_tiny_model(root / "short", seed=0, window=16),
     }
+
+
+def stretch_traces(k: int, n: int = 8, length: int = 36):
+    """Hand-made acceptance traces: stretches of 6 positions where prompt lookup matches 3 tokens and all k drafts
+    are right, alternating with stretches where it matches 1 token and every draft is wrong (row q shifted by 2q)."""
+    from env.oracle import Trace
+
+    out = []
+    for q in range(n):
+        good = [((i + 2 * q) // 6) % 2 == 0 for i in range(length)]
+        out.append(Trace(f"t{q}", "c", list(range(10)), list(range(100 + q, 100 + q + length)),
+                         [k if g else 0 for g in good], [k] * length, match_lens=[3 if g else 1 for g in good], k_max=k))
+    return out

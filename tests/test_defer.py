@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import stretch_traces
 
 from agents.defer import defer_table, rule_spec, write_defer
 from agents.export import write_policy
@@ -26,14 +27,7 @@ MATCH = FEATURES.index("ngram_match_len")
 
 
 def traces(n: int = 8, length: int = 36) -> list[Trace]:
-    """Stretches where prompt lookup matches 3 tokens and every draft is right, between stretches where it
-    matches 1 and every draft is wrong."""
-    out = []
-    for q in range(n):
-        good = [((i + 2 * q) // 6) % 2 == 0 for i in range(length)]
-        out.append(Trace(f"t{q}", "c", list(range(10)), list(range(100 + q, 100 + q + length)),
-                         [K if g else 0 for g in good], [K] * length, match_lens=[3 if g else 1 for g in good], k_max=K))
-    return out
+    return stretch_traces(K, n, length)
 
 
 def cost() -> CostModel:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import stretch_traces
 
 from agents.improve import as_policy, collect, fit, improve_policy, mean_regret
 from decoding.errors import SpecPilotError
@@ -16,14 +17,7 @@ K = 4
 
 
 def traces(n: int = 8, length: int = 36) -> list[Trace]:
-    """Stretches of 6 positions where prompt lookup matches 3 tokens and all K drafts are right,
-    alternating with stretches where it matches 1 token and every draft is wrong."""
-    out = []
-    for q in range(n):
-        good = [((i + 2 * q) // 6) % 2 == 0 for i in range(length)]
-        out.append(Trace(f"t{q}", "c", list(range(10)), list(range(100 + q, 100 + q + length)),
-                         [K if g else 0 for g in good], [K] * length, match_lens=[3 if g else 1 for g in good], k_max=K))
-    return out
+    return stretch_traces(K, n, length)
 
 
 def cost() -> CostModel:
