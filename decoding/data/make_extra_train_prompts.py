@@ -1,5 +1,7 @@
 """Writes the extra training prompts of prompts.jsonl (split `train`): 24 long-context prompts of >= 1,500 tokens
-and 40 synthetic prompts (decoding/synth_prompts.py, 5 per category of the original set).
+and 200 synthetic prompts (decoding/synth_prompts.py, 25 per category of the original set; 40 until issue 14's
+sixteenth stop, when 160 more were added after `python -m agents.fit_check --extra-traces` scored them on held-out
+train prompts).
 
 Run `python decoding/data/make_extra_train_prompts.py` (it replaces the lines it wrote before, keeps the others);
 the JSONL is committed. Every prompt here is for training and tuning; the test and ood splits stay as they were. The train split's own prompts are a few hundred tokens, so a policy trained on them alone never saw
@@ -28,7 +30,7 @@ from decoding.synth_prompts import STDLIB_MODULES, synthetic_prompts  # noqa: E4
 
 OUT = Path(__file__).with_name("prompts.jsonl")
 SEED = 20261202
-SYNTHETIC = 40
+SYNTHETIC = 200
 MIN_CHARS = 7200
 """About 1,700 tokens of English technical prose for this tokenizer (4.2 characters a token)."""
 
