@@ -107,7 +107,8 @@ class BenchmarkConfig:
     per-batch-size table built from the cost profile and the train traces)."""
     replay_check: bool = False
     """Sim-to-real check: run each policy on the real loop and on the replay of the same batches and
-    print the k it chose in each and the observation features that differ most (needs the traces)."""
+    print the k it chose in each, the observation features that differ most, and each real step's seconds
+    against the cost profile's price for it, by k relative to the plain steps (needs the traces)."""
     replay: bool = False
     """Instead of timing the real loop, evaluate the policies on the recorded traces with the device's
     cost model, without noise (the replay env PPO pre-trains on): seconds instead of minutes."""

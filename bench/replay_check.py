@@ -3,7 +3,9 @@
 A policy pre-trained on the replay env is only as good as the replay's observations are faithful.
 `replay_check` runs the policy on the real loop and on the replay of the same prompts (same batches)
 and returns the k it chose in each and how far each observation feature moved between them, in the
-policy's own normalised units for a learned policy. Greedy acceptance does not depend on the
+policy's own normalised units for a learned policy; and how each real step's seconds compare with the
+cost profile's price for it (by k, relative to the plain steps), since the replay's speeds are only as
+good as those prices. Greedy acceptance does not depend on the
 schedule, so a policy that ignores timing and hardware (static k, the heuristic) chooses the same
 k in both; a learned policy should come close, and a feature far apart names the leak.
 (`scripts/benchmark.py --replay-check` prints it.)
@@ -48,8 +50,10 @@ def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]
     real = Recorder(policy)
     generate(target, draft, real, [prompt_ids[i] for i in groups[0]], 4)  # warm-up, not recorded
     real.seen.clear()
+    steps = []
     for group in groups:
-        generate(target, draft if policy.k_max > 0 else None, real, [prompt_ids[i] for i in group], max_new_tokens)
+        out = generate(target, draft if policy.k_max > 0 else None, real, [prompt_ids[i] for i in group], max_new_tokens)
+        steps.extend(out.steps)
     replay = Recorder(policy)
     env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size],
                     max_new_tokens=max_new_tokens)
@@ -71,9 +75,27 @@ def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]
         "real_k": hist["real"].tolist(),
         "replay_k": hist["replay"].tolist(),
         "k_distance": float(0.5 * np.abs(p - q).sum()),
+        "costs": step_cost_check(steps, cost),
         "features": {name: [float(a), float(b), float(z)]
                      for name, a, b, z in zip(FEATURES, real_obs.mean(axis=0), replay_obs.mean(axis=0), shift)},
     }
+
+
+def step_cost_check(steps, cost) -> dict:
+    """Real step seconds against the profile's price of the same step (its k, context length and batch
+    size). Absolute speed drifts between machines and hours, so prices are scaled by the plain (k = 0)
+    steps' real / priced ratio (all steps' when none drafted nothing): "by_k" maps each k to [steps,
+    real mean seconds, priced mean seconds, (real / priced) / scale]; "real_over_priced" is the whole
+    run's (real / priced) / scale, the factor by which the replay under-prices this policy's steps."""
+    real = np.array([s.draft_s + s.verify_s for s in steps], dtype=np.float64)
+    priced = np.array([cost.step_costs(s.context_len, s.batch_size)[0][s.k] for s in steps], dtype=np.float64)
+    ks = np.array([s.k for s in steps])
+    plain = ks == 0
+    base = plain if plain.any() else np.ones_like(plain)
+    scale = real[base].sum() / priced[base].sum()
+    by_k = {int(k): [int((ks == k).sum()), float(real[ks == k].mean()), float(priced[ks == k].mean()),
+                     float(real[ks == k].sum() / priced[ks == k].sum() / scale)] for k in np.unique(ks)}
+    return {"scale": float(scale), "by_k": by_k, "real_over_priced": float(real.sum() / priced.sum() / scale)}
 
 
 def format_check(name: str, result: dict, top: int = 3) -> str:
@@ -81,4 +103,7 @@ def format_check(name: str, result: dict, top: int = 3) -> str:
     moved = sorted(result["features"].items(), key=lambda kv: -abs(kv[1][2]))[:top]
     features = ", ".join(f"{f} {z:+.2f}" for f, (_, _, z) in moved)
     return (f"{name:<16}B={result['batch_size']:<3} real k {result['real_k']}  replay k {result['replay_k']}  "
-            f"distance {result['k_distance']:.2f}  most moved (sd): {features}")
+            f"distance {result['k_distance']:.2f}  most moved (sd): {features}\n"
+            f"{'':<16}step seconds / profile price, relative to plain steps: whole run "
+            f"{result['costs']['real_over_priced']:.3f}; by k " + ", ".join(
+                f"{k}: {r:.2f} (n={n})" for k, (n, _, _, r) in result["costs"]["by_k"].items()))

@@ -391,3 +391,27 @@ def test_profile_records_sampled_traces_beside_the_greedy_ones(tiny_model_dirs, 
         assert t["output_ids"] == generate(target, None, NoSpeculation(), t["prompt_ids"], 10, Sampling(1.5), seed).token_ids
     assert [t["output_ids"] for t in sampled["traces"]] != [t["output_ids"] for t in greedy["traces"]]
     assert run_cli(profile_main, args[:4] + ["--draft", tiny_model_dirs["draft"]] + args[6:] + ["--temperature", "1"]) == 2
+
+
+def test_step_cost_check_prices_each_real_step_and_names_the_k_the_profile_underprices():
+    """Real seconds twice the profile's price on plain steps and three times on k = 2 steps, at several
+    context lengths: relative to the plain steps k = 2 runs 1.5x its price, and the whole run's factor is
+    the brute-force sum's."""
+    from bench.replay_check import step_cost_check
+    from decoding.loop import StepResult
+
+    cost = hand_cost()
+    plan = [(0, 64, 2.0), (2, 64, 3.0), (0, 900, 2.0), (2, 900, 3.0), (2, 300, 3.0), (1, 500, 2.0)]
+    steps, priced = [], []
+    for k, context, factor in plan:
+        price = cost.step_costs(context)[0][k]
+        steps.append(StepResult(k=k, k_requested=k, accepted=0, new_tokens=[1], draft_s=0.25 * price * factor,
+                                verify_s=0.75 * price * factor, context_len=context))
+        priced.append(price)
+    result = step_cost_check(steps, cost)
+    assert result["scale"] == pytest.approx(2.0)
+    assert [result["by_k"][k][0] for k in (0, 1, 2)] == [2, 1, 3]
+    assert [result["by_k"][k][3] for k in (0, 1, 2)] == pytest.approx([1.0, 1.0, 1.5])
+    real = sum(p * f for p, (_, _, f) in zip(priced, plan))
+    assert result["real_over_priced"] == pytest.approx(real / sum(priced) / 2.0)
+    assert result["real_over_priced"] > 1.0
