@@ -84,7 +84,7 @@ def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]
 def step_cost_check(steps, cost) -> dict:
     """Real step seconds against the profile's price of the same step (its k, context length and batch
     size). Absolute speed drifts between machines and hours, so prices are scaled by the plain (k = 0)
-    steps' real / priced ratio (all steps' when none drafted nothing): "by_k" maps each k to [steps,
+    steps' real / priced ratio (every step's when none was plain): "by_k" maps each k to [steps,
     real mean seconds, priced mean seconds, (real / priced) / scale]; "real_over_priced" is the whole
     run's (real / priced) / scale, the factor by which the replay under-prices this policy's steps."""
     real = np.array([s.draft_s + s.verify_s for s in steps], dtype=np.float64)
