@@ -1,8 +1,8 @@
-"""Which training recipe holds on train prompts it never saw: `python -m agents.cross_fit` (about 90 minutes on
+"""Which training recipe holds on train prompts it never saw: `python -m specpilot.agents.cross_fit` (about 90 minutes on
 2 CPU cores for two recipes, four folds, two seeds).
 
-Selecting a policy by its speed on its own training prompts rewards what it memorised (issue 14, eighth stop:
-the in-sample rule and three held-out splits disagreed). This splits the train split into folds (every
+Selecting a policy by its speed on its own training prompts rewards what it memorised (the in-sample selection
+and three held-out splits disagreed: reports/README.md, "The warm start"). This splits the train split into folds (every
 `folds`-th prompt of each category), trains each recipe's warm start (the device's YAML block: rounds, net,
 passes, episodes, labels; each seed, then the mean of their logits, as `train_policy.py` does; simulated machine
 conditions are not drawn, which the CPU block does not use) on all folds but one and
@@ -18,12 +18,13 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
-from bench.tune_cli import rules_policy
-from decoding.config import parse_config, parse_ints, run_cli
-from decoding.errors import SpecPilotError
-from decoding.paths import POLICIES, Checkpoint, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
-from env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
-from env.replay_env import replay_evaluate
+from specpilot.bench.tune_cli import rules_policy
+from specpilot.decoding.hardware import artifact_key
+from specpilot.decoding.config import parse_config, parse_ints, run_cli
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import POLICIES, Checkpoint, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
+from specpilot.env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
+from specpilot.env.replay_env import replay_evaluate
 
 from .ensemble import merge
 from .improve import as_policy, improve_policy
@@ -109,6 +110,7 @@ def cross_fit(traces, recipes: list[str], folds: int, train_fold, score, batch_s
 
 def cross_fit_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(CrossFitConfig, argv)
+    cfg.device = artifact_key(cfg.device)  # 'cpu' -> this CPU's machine key
     if cfg.folds < 2:
         raise SpecPilotError(f"--folds must be >= 2, got {cfg.folds}")
     sizes, seeds = parse_ints(cfg.batch_sizes, "--batch-sizes"), parse_ints(cfg.seeds, "--seeds", minimum=0)
@@ -121,7 +123,7 @@ def cross_fit_main(argv: list[str] | None = None) -> int:
     traces, meta = load_traces(traces_path(cfg.draft))
     train = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
     k_max = int(hp["k_max"])
-    rules = read_json_file(policy_dir(cfg.device, cfg.draft, POLICIES) / "rules.json", "tuned rules", keys=("best_rule",))
+    rules = read_json_file(policy_dir(cfg.device, cfg.draft) / "rules.json", "tuned rules", keys=("best_rule",))
     rule = rules_policy(rules["best_rule"], profile, train, k_max, cfg.draft)
 
     def train_fold(fit_on):

@@ -1,4 +1,4 @@
-"""Where a learned policy hands k back to the tuned rule: `python -m agents.defer --device cpu --draft ngram:3`.
+"""Where a learned policy hands k back to the tuned rule: `python -m specpilot.agents.defer --device cpu --draft ngram:3`.
 
 One MLP decides k at every batch size, and where speculation gains little it can trail the tuned rule (on this
 CPU at 8 and 16 rows the best rule is ~1.04-1.05x plain decoding on the train split, and the MLP came out 2-4%
@@ -15,15 +15,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.batch_table import BatchTableK
-from bench.tune_cli import rules_policy
-from decoding.config import parse_config, parse_ints, run_cli
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK
-from decoding.paths import POLICIES, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
-from decoding.policies import PerBatchK, parse_policy
-from env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
-from env.replay_env import replay_evaluate
+from specpilot.bench.batch_table import BatchTableK
+from specpilot.bench.tune_cli import rules_policy
+from specpilot.decoding.hardware import artifact_key
+from specpilot.decoding.config import parse_config, parse_ints, run_cli
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.paths import POLICIES, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
+from specpilot.decoding.policies import PerBatchK, parse_policy
+from specpilot.env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
+from specpilot.env.replay_env import replay_evaluate
 
 from .ppo import load_hyperparams
 
@@ -84,11 +85,12 @@ def describe(table: dict, ratios: dict[int, float]) -> str:
 
 def defer_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(DeferConfig, argv)
+    cfg.device = artifact_key(cfg.device)  # 'cpu' -> this CPU's machine key
     hp = load_hyperparams(cfg.device)
     margin = float(hp.get("defer_margin") or 0.0) if cfg.margin is None else cfg.margin
     if margin < 0:
         raise SpecPilotError(f"--margin is >= 0, got {margin:g}")
-    meta_path = Path(cfg.policy) if cfg.policy else policy_dir(cfg.device, cfg.draft, POLICIES) / "policy.json"
+    meta_path = Path(cfg.policy) if cfg.policy else policy_dir(cfg.device, cfg.draft) / "policy.json"
     mlp = LearnedK.load(meta_path, device=cfg.device, draft=cfg.draft, defer=False)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [int(b) for b in mlp.meta.get("batch_sizes") or [1]]
     budget = int(mlp.meta.get("max_new_tokens") or hp["max_new_tokens"])

@@ -1,4 +1,4 @@
-"""Seed ensembles: `python -m agents.ensemble --policies A,B,C --out DIR` merges policies trained with different
+"""Seed ensembles: `python -m specpilot.agents.ensemble --policies A,B,C --out DIR` merges policies trained with different
 seeds (same device, draft and features) into one MLP whose logits are the mean of theirs.
 
 Policies trained alike but from other seeds differ by 1-2% at one row (reports/README.md); the mean of their
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.config import parse_config, run_cli
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK
-from decoding.observation import FEATURES
-from decoding.paths import relative
+from specpilot.decoding.config import parse_config, run_cli
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.paths import relative
 
 from .export import write_policy
 

@@ -19,10 +19,10 @@ import torch
 import transformers
 from safetensors.numpy import save
 
-from decoding.errors import SpecPilotError
-from decoding.learned import FORMAT_VERSION, LearnedK, pinned_mask
-from decoding.observation import FEATURES
-from decoding.paths import atomic_write_text
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import FORMAT_VERSION, LearnedK, pinned_mask
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.paths import atomic_write_text
 
 
 def _linear_layers(model) -> list[torch.nn.Linear]:

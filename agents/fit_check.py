@@ -1,5 +1,5 @@
 """How many passes the warm start's fit should make, judged on train prompts it did not see:
-`python -m agents.fit_check` (about 12 minutes on one core).
+`python -m specpilot.agents.fit_check` (about 12 minutes on one core).
 
 One row, the CPU profile and traces: a quarter of the train-split prompts is held out (seeded), two rounds of
 rollout labels are collected on the rest (round 1 from the best tuned rule, round 2 on the fitted policy's
@@ -8,7 +8,7 @@ speedup on the held-out quarter beside the rule's. The test and ood splits are n
 
 With `--extra-traces FILE` (traces of more train prompts: `profile_device.py --no-costs --prompts P --out D`) the
 whole check runs twice on the same held-out quarter, fitted without and with those prompts' episodes: whether
-more training prompts of that kind help on train prompts no fit saw (issue 14, fifteenth stop)."""
+more training prompts of that kind help on train prompts no fit saw."""
 from __future__ import annotations
 
 import sys
@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.tune_cli import rules_policy
-from decoding.config import parse_config, parse_ints, run_cli
-from decoding.errors import SpecPilotError
-from decoding.paths import POLICIES, policy_dir, profile_path, read_json_file, traces_path
-from env.oracle import CostModel, load_draft_traces, load_profile, load_traces, profile_hardware, train_traces, truncate
-from env.replay_env import replay_evaluate
+from specpilot.bench.tune_cli import rules_policy
+from specpilot.decoding.hardware import artifact_key
+from specpilot.decoding.config import parse_config, parse_ints, run_cli
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import POLICIES, policy_dir, profile_path, read_json_file, traces_path
+from specpilot.env.oracle import CostModel, load_draft_traces, load_profile, load_traces, profile_hardware, train_traces, truncate
+from specpilot.env.replay_env import replay_evaluate
 
 from .improve import as_policy, collect, fit, merge
 
@@ -63,6 +64,7 @@ def holdout_split(train: list, extra: list, holdout: float, seed: int) -> tuple[
 
 def fit_check_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(FitCheckConfig, argv)
+    cfg.device = artifact_key(cfg.device)  # 'cpu' -> this CPU's machine key
     profile = load_profile(profile_path(cfg.device, cfg.draft))
     cost, hardware = CostModel.from_profile(profile), profile_hardware(profile)
     traces, meta = load_traces(traces_path(cfg.draft))
@@ -72,7 +74,7 @@ def fit_check_main(argv: list[str] | None = None) -> int:
         extra, _ = load_draft_traces(cfg.extra_traces, cfg.draft, cfg.max_new_tokens)
         added = [truncate(t, cfg.max_new_tokens) for t in extra]
     fit_on, val = holdout_split(train, added, cfg.holdout, cfg.seed)
-    rules = read_json_file(policy_dir(cfg.device, cfg.draft, POLICIES) / "rules.json", "tuned rules", keys=("best_rule",))
+    rules = read_json_file(policy_dir(cfg.device, cfg.draft) / "rules.json", "tuned rules", keys=("best_rule",))
     rule = rules_policy(rules["best_rule"], profile, train, 8, cfg.draft)
     hidden = parse_ints(cfg.hidden, "--hidden")
     base = replay_evaluate({"rule": rule}, val, cost, 8, hardware, 1, cfg.max_new_tokens)["rule"]["speedup"]

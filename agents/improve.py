@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK, pinned_mask
-from decoding.policies import LengthPolicy
-from decoding.prompts import batches_of
-from env.oracle import CostModel, Trace, hindsight_q
-from env.replay_env import MachineCondition, ReplayEnv
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK, pinned_mask
+from specpilot.decoding.policies import LengthPolicy
+from specpilot.decoding.prompts import batches_of
+from specpilot.env.oracle import CostModel, Trace, hindsight_q
+from specpilot.env.replay_env import MachineCondition, ReplayEnv
 
 
 ENTROPY = 0.02

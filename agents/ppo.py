@@ -15,18 +15,22 @@ from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
-from decoding.errors import SpecPilotError
-from decoding.learned import pinned_mask
-from decoding.tracking import start_tracking
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import is_cpu_key
+from specpilot.decoding.learned import pinned_mask
+from specpilot.decoding.tracking import start_tracking
 
 HYPERPARAMS = Path(__file__).with_name("hyperparams.yaml")
 PPO_KEYS = ("n_steps", "batch_size", "n_epochs", "learning_rate", "gamma", "gae_lambda", "clip_range", "ent_coef", "vf_coef")
 
 
 def load_hyperparams(device: str, overrides: list[str] | dict | None = None, path: str | Path = HYPERPARAMS) -> dict:
-    """The `default` block, then the device's block, then KEY=VALUE overrides (values parsed as YAML)."""
+    """The `default` block, then the device's block (a CPU machine key reads the `cpu` block, then its own block
+    if the YAML has one), then KEY=VALUE overrides (values parsed as YAML)."""
     data = yaml.safe_load(Path(path).read_text())
     hp = dict(data["default"])
+    if is_cpu_key(device) and device != "cpu":
+        hp.update(data.get("cpu") or {})
     hp.update(data.get(device) or {})
     if isinstance(overrides, dict):
         items = overrides.items()

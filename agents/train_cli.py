@@ -9,32 +9,33 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.batch_table import BatchContextTableK
-from bench.benchmark import format_table, run_benchmark, summarize
-from bench.tune_cli import rules_policy, tune_rules
-from decoding.config import at_least, parse_config, parse_ints, warn
-from decoding.errors import SpecPilotError
-from decoding.hardware import gpu_names, resolve, shared_monitor
-from decoding.learned import LearnedK
-from decoding.models import load_draft, load_target
-from decoding.paths import (
+from specpilot.bench.batch_table import BatchContextTableK
+from specpilot.bench.benchmark import format_table, run_benchmark, summarize
+from specpilot.bench.tune_cli import rules_policy, tune_rules
+from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import gpu_names, resolve, shared_monitor
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.models import load_draft, load_target
+from specpilot.decoding.paths import (
     atomic_write_text,
+    output_dir,
     policy_dir,
     profile_path,
     read_json_file,
     relative,
     traces_path,
 )
-from decoding.policies import (
+from specpilot.decoding.policies import (
     HeuristicK,
     NoSpeculation,
     StaticK,
 )
-from decoding.prompts import load_prompts, per_category
-from decoding.tracking import log_rows
-from env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
-from env.oracle import CostModel, load_draft_traces, load_profile, truncate
-from env.replay_env import MachineCondition, replay_steps_per_second
+from specpilot.decoding.prompts import load_prompts, per_category
+from specpilot.decoding.tracking import log_rows
+from specpilot.env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
+from specpilot.env.oracle import CostModel, load_draft_traces, load_profile, truncate
+from specpilot.env.replay_env import MachineCondition, replay_steps_per_second
 
 from .ensemble import merge_policies
 from .defer import defer_table, describe, write_defer
@@ -81,8 +82,10 @@ class TrainConfig:
     are their mean (agents/ensemble.py); default: the YAML's `seeds` (CPU: 2,1, the committed policy's recipe), else 0."""
     resume: bool = False
     """Continue a killed run from its last checkpoint in OUT/DEVICE/run/checkpoints."""
-    out: str = "policies"
-    """Root folder: the policy goes to OUT/DEVICE/DRAFT/policy.{json,safetensors}, the run to OUT/DEVICE/DRAFT/run/."""
+    out: str = ""
+    """Root folder: the policy goes to OUT/DEVICE/DRAFT/policy.{json,safetensors}, the run to OUT/DEVICE/DRAFT/run/
+    (default: policies/ in the working directory when it has one, as a source checkout does, else the user folder
+    $SPECPILOT_HOME/policies or ~/.local/share/specpilot/policies)."""
     batch_sizes: str = ""
     """Comma-separated batch sizes episodes draw from, e.g. 1,2,4,8,16 (default: the YAML's batch_sizes)."""
     hp: list[str] = field(default_factory=list)
@@ -336,7 +339,7 @@ def train_main(argv: list[str] | None = None) -> int:
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
     real_prompts = fitting_prompts(target, train_prompts, int(hp["max_new_tokens"]) + k_max + 1)
-    out = policy_dir(device_key, draft.name, cfg.out)
+    out = policy_dir(device_key, draft.name, cfg.out or output_dir("policies"))
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     speed_path = run_dir / "plain_speed.json"

@@ -13,10 +13,10 @@ from collections import Counter
 
 import numpy as np
 
-from decoding.errors import SpecPilotError
-from decoding.policies import LengthPolicy, at_or_below, batch_of, context_of
-from env.oracle import CostModel, Trace
-from env.replay_env import ReplayEnv
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.policies import LengthPolicy, at_or_below, batch_of, context_of
+from specpilot.env.oracle import CostModel, Trace
+from specpilot.env.replay_env import ReplayEnv
 
 
 def expected_tokens(traces: list[Trace], k_max: int) -> np.ndarray:

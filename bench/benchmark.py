@@ -18,13 +18,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoding.config import warn
-from decoding.errors import SpecPilotError
-from decoding.loop import generate
-from decoding.paths import Checkpoint, atomic_write_text
-from decoding.policies import LengthPolicy
-from decoding.prompts import Prompt, batches_of
-from decoding.sampling import Sampling
+from specpilot.decoding.config import warn
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.loop import generate
+from specpilot.decoding.paths import Checkpoint, atomic_write_text
+from specpilot.decoding.policies import LengthPolicy
+from specpilot.decoding.prompts import Prompt, batches_of
+from specpilot.decoding.sampling import Sampling
 
 
 @dataclass
@@ -80,7 +80,7 @@ def run_batch_benchmark(
     appended as they finish; with `resume` too, the batches already in the file are taken from it and not
     run again (the file must come from the same plan: policies, prompts, sizes, budget, repeats, loads,
     sampling, models). A learned policy's input counters cover the batches run in this process only."""
-    from env.load import LOADS, background_load
+    from specpilot.env.load import LOADS, background_load
 
     if "none" not in policies:
         raise SpecPilotError("the benchmark needs the 'none' policy (plain decoding) as its baseline")

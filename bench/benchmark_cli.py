@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from decoding.config import at_least, parse_config, parse_ints, warn
-from decoding.errors import SpecPilotError
-from decoding.hardware import device_of
-from decoding.models import load_draft, load_target, resolve_torch_device
-from decoding.paths import atomic_write_text, policy_dir, profile_path, read_json_file, relative, rules_path, traces_path
-from decoding.policies import PerBatchK, parse_policy, resolve_k_max
-from decoding.prompts import load_prompts, per_category
-from decoding.sampling import Sampling
-from env.oracle import (
+from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import device_of
+from specpilot.decoding.models import load_draft, load_target, resolve_torch_device
+from specpilot.decoding.paths import atomic_write_text, policy_dir, profile_path, read_json_file, relative, rules_path, traces_path
+from specpilot.decoding.policies import PerBatchK, parse_policy, resolve_k_max
+from specpilot.decoding.prompts import load_prompts, per_category
+from specpilot.decoding.sampling import Sampling
+from specpilot.env.oracle import (
     CostModel,
     OracleK,
     load_draft_traces,
@@ -26,7 +26,7 @@ from env.oracle import (
     train_traces,
     truncate,
 )
-from env.replay_env import cost_shape, replay_evaluate
+from specpilot.env.replay_env import cost_shape, replay_evaluate
 
 from .batch_table import BatchTableK
 from .benchmark import (
@@ -44,7 +44,7 @@ from .benchmark import (
     summarize_loads,
     write_results,
 )
-from env.load import LOADS
+from specpilot.env.load import LOADS
 from .paired_cli import paired_ratios, versus_markdown
 from .plots import plot_batch_benchmark, plot_benchmark, plot_load_benchmark
 from .replay_check import format_check, replay_check
@@ -90,7 +90,7 @@ class BenchmarkConfig:
     gemm: str = "auto"
     """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
     (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
-    of 1-3 drafted tokens on this CPU; `python -m bench.gemm` times both)."""
+    of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
     allow_device_mismatch: bool = False
     """Let a learned policy trained on another device run."""
     out: str = "runs/benchmark"

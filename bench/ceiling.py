@@ -1,4 +1,4 @@
-"""How fast can a causal policy be with the n-gram draft? `python -m bench.ceiling` (about a minute).
+"""How fast can a causal policy be with the n-gram draft? `python -m specpilot.bench.ceiling` (about a minute).
 
 At one row on the CPU the choice is nearly binary (a verify pass of any k >= 1 costs 1.6-2.1 plain steps),
 so a policy is as good as its estimate of how many drafted tokens the target will keep. This fits that
@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.config import parse_config, run_cli
-from decoding.drafters import match_statistics, ngram_search
-from decoding.errors import SpecPilotError
-from decoding.paths import atomic_write_text, profile_path, slug, temperature_suffix, traces_path
-from env.oracle import (CostModel, Trace, load_profile, load_traces, oracle_schedule, plain_seconds, trace_temperature,
+from specpilot.decoding.hardware import artifact_key
+from specpilot.decoding.config import parse_config, run_cli
+from specpilot.decoding.drafters import match_statistics, ngram_search
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import atomic_write_text, profile_path, slug, temperature_suffix, traces_path
+from specpilot.env.oracle import (CostModel, Trace, load_profile, load_traces, oracle_schedule, plain_seconds, trace_temperature,
                         truncate)
 
 
@@ -230,6 +231,7 @@ def parse_families(text: str) -> list[str]:
 
 def ceiling_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(CeilingConfig, argv, description=__doc__.splitlines()[0])
+    cfg.device = artifact_key(cfg.device)  # 'cpu' -> this CPU's machine key
     families = parse_families(cfg.inputs)
     cost = CostModel.from_profile(load_profile(cfg.profile or profile_path(cfg.device, cfg.draft)))
     traces, meta = load_traces(cfg.traces or traces_path(cfg.draft))
@@ -242,7 +244,7 @@ def ceiling_main(argv: list[str] | None = None) -> int:
     everything = [t for ts in by_split.values() for t in ts]
     confidences, classes = None, None
     if "target" in families or "source" in families:
-        from decoding.models import load_target
+        from specpilot.decoding.models import load_target
 
         target = load_target(cfg.target, "float32", "cpu")
         if "source" in families:

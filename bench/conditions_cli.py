@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.config import parse_config, parse_ints
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK
-from decoding.paths import atomic_write_text, policy_dir, relative
-from decoding.policies import StaticK, parse_policy
-from env.oracle import CostModel, load_profile, profile_hardware
-from env.replay_env import replay_evaluate
-from env.simulate import CONDITIONS
+from specpilot.decoding.config import parse_config, parse_ints
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.paths import atomic_write_text, policy_dir, relative
+from specpilot.decoding.policies import StaticK, parse_policy
+from specpilot.env.oracle import CostModel, load_profile, profile_hardware
+from specpilot.env.replay_env import replay_evaluate
+from specpilot.env.simulate import CONDITIONS
 
 from .batch_table import BatchContextTableK, BatchTableK, goodput_table
 from .simulated_cli import SimulatedReportConfig, best_static, oracle_speedup, split_traces
@@ -67,7 +67,7 @@ def conditions_main(argv: list[str] | None = None) -> int:
                  "batch-context-table": BatchContextTableK.from_profile(base, train, cfg.k_max, contexts),
                  "sglang-adaptive": parse_policy("sglang-adaptive", cfg.k_max)}
         folder = policy_dir(device, cfg.draft, cfg.policies)
-        learned = LearnedK.load(folder, allow_device_mismatch=True, draft=cfg.draft)
+        learned = LearnedK.load(folder, allow_device_mismatch=True, draft=cfg.draft, replay=True)
         per_condition = {}
         for condition in conditions:
             path, profile = condition_profile(cfg.profiles, device, condition)
@@ -106,7 +106,7 @@ def conditions_main(argv: list[str] | None = None) -> int:
 
 
 def _counters(hardware) -> list[float]:
-    from decoding.hardware import HW_FEATURES
+    from specpilot.decoding.hardware import HW_FEATURES
 
     values = dict(zip(HW_FEATURES, [float(v) for v in hardware]))
     return [values["hw_sm_clock_ratio"], values["hw_power_ratio"], values["hw_gpu_mem_util"], values["hw_gpm_dram_bw_util"]]

@@ -6,13 +6,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.config import parse_config, parse_ints, warn
-from decoding.errors import SpecPilotError
-from decoding.hardware import resolve_device
-from decoding.models import draft_name
-from decoding.paths import atomic_write_text, policy_dir, profile_path, relative, traces_path
-from decoding.policies import parse_policy, resolve_k_max
-from env.oracle import (
+from specpilot.decoding.config import parse_config, parse_ints, warn
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import resolve_device
+from specpilot.decoding.models import draft_name
+from specpilot.decoding.paths import atomic_write_text, policy_dir, profile_path, relative, traces_path
+from specpilot.decoding.policies import parse_policy, resolve_k_max
+from specpilot.env.oracle import (
     CostModel,
     load_profile,
     load_traces,

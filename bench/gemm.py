@@ -1,4 +1,4 @@
-"""Which fp32 matrix-product path a CPU target should run: `python -m bench.gemm` (about 3 minutes).
+"""Which fp32 matrix-product path a CPU target should run: `python -m specpilot.bench.gemm` (about 3 minutes).
 
 A verify pass of k >= 1 drafted tokens costs this CPU 1.6-2.1x a plain step at one row, and that ratio decides
 when drafting pays. Most of it is the kernel: torch's x @ W^T for 2-4 rows is 2-2.5x the cost of one row here,
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from decoding.config import at_least, parse_config, parse_ints, run_cli
-from decoding.loop import generate
-from decoding.models import NgramDrafter, load_target, use_small_row_gemm
-from decoding.paths import atomic_write_text
-from decoding.policies import StaticK
-from decoding.prompts import load_prompts
-from env.profile import profile_batches
+from specpilot.decoding.config import at_least, parse_config, parse_ints, run_cli
+from specpilot.decoding.loop import generate
+from specpilot.decoding.models import NgramDrafter, load_target, use_small_row_gemm
+from specpilot.decoding.paths import atomic_write_text
+from specpilot.decoding.policies import StaticK
+from specpilot.decoding.prompts import load_prompts
+from specpilot.env.profile import profile_batches
 
 from .benchmark import paired_ratio
 

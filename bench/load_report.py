@@ -1,4 +1,4 @@
-"""Does a busy machine change the *shape* of the cost curve? `python -m bench.load_report` reads the profiles
+"""Does a busy machine change the *shape* of the cost curve? `python -m specpilot.bench.load_report` reads the profiles
 `scripts/profile_device.py --out profiles/load --background-load KIND` wrote (DEVICE-DRAFT-load-KIND.json, and
 DEVICE-DRAFT.json for no load) and reports, per condition, the plain
 step, the verify / plain ratio per k, the best k per batch size for the draft's recorded acceptance
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.observation import FEATURES
-from decoding.paths import atomic_write_text, slug, traces_path
-from env.oracle import CostModel, load_profile, load_traces, train_traces
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.paths import atomic_write_text, slug, traces_path
+from specpilot.env.oracle import CostModel, load_profile, load_traces, train_traces
 
 from .batch_table import goodput_table
-from env.load import LOADS
+from specpilot.env.load import LOADS
 
 COUNTERS = ("hw_cpu_util", "hw_cpu_freq_ratio", "hw_load_per_core")
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     lines = [f"# Cost curve under background load ({args.device}, {args.draft})", "",
              "Regenerate: `python scripts/profile_device.py --device cpu --draft ngram --no-traces --context-lens 256 "
              "--batch-sizes 1,4,16 --repeats 3 --out profiles/load --background-load KIND` for each KIND, then "
-             "`python -m bench.load_report`.",
+             "`python -m specpilot.bench.load_report`.",
              "Best k: the k of the best goodput for the draft's recorded train-split acceptance.", "",
              "| load | B | plain step ms | verify/plain for k = 1, 2, 4, 8 | best k | gain over plain | cpu util | load/core | freq ratio |",
              "|---|---|---|---|---|---|---|---|---|"]

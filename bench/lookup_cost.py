@@ -1,4 +1,4 @@
-"""What prompt lookup costs the host per row and step: `python -m bench.lookup_cost` (seconds).
+"""What prompt lookup costs the host per row and step: `python -m specpilot.bench.lookup_cost` (seconds).
 
 The n-gram drafter's search runs on the host for every row of every step. This times one step's lookup
 (`NgramDrafter.lookup` on a context that grew by a step's tokens: the copy of the new tokens and the search of
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.config import parse_config, parse_ints, run_cli
-from decoding.drafters import NgramDrafter, ngram_search
-from decoding.errors import SpecPilotError
-from decoding.paths import atomic_write_text, traces_path
-from env.oracle import load_traces
+from specpilot.decoding.config import parse_config, parse_ints, run_cli
+from specpilot.decoding.drafters import NgramDrafter, ngram_search
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import atomic_write_text, traces_path
+from specpilot.env.oracle import load_traces
 
 
 @dataclass

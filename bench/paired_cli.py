@@ -1,4 +1,4 @@
-"""One policy against another from a benchmark's results JSON: `python -m bench.paired_cli RESULTS --policy learned
+"""One policy against another from a benchmark's results JSON: `python -m specpilot.bench.paired_cli RESULTS --policy learned
 --versus best-rule`. Per (load, batch size), the ratio of the two policies' tokens/s within each repeat (their
 runs of the same batches in the same pass, so the machine's slow drift cancels), the geometric mean and a 95%
 interval, exp(mean log +- t(n-1) standard errors). Prints a table and writes JSON beside a results file. A report's
@@ -11,9 +11,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.config import parse_config, run_cli
-from decoding.errors import SpecPilotError
-from decoding.paths import atomic_write_text, read_json_file
+from specpilot.decoding.config import parse_config, run_cli
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import atomic_write_text, read_json_file
 
 from .benchmark import paired_ratio
 

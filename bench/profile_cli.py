@@ -10,20 +10,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoding.config import at_least, parse_config, parse_ints
-from decoding.errors import SpecPilotError
-from decoding.hardware import resolve
-from decoding.models import ModelDrafter, load_draft, load_target, random_init_target
-from decoding.paths import atomic_write_text, slug, traces_path
-from decoding.policies import DEFAULT_K_MAX
-from decoding.prompts import load_prompts
-from decoding.sampling import Sampling
-from env.oracle import load_traces, record_trace, save_traces, trace_temperature
-from env.oracle import load_profile
-from env.profile import fit_grid_in_context, profile_costs
-from env.simulate import compare_profiles, save_profile, simulate_profile
+from specpilot.decoding.config import at_least, parse_config, parse_ints
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import resolve
+from specpilot.decoding.models import ModelDrafter, load_draft, load_target, random_init_target
+from specpilot.decoding.paths import atomic_write_text, slug, traces_path
+from specpilot.decoding.policies import DEFAULT_K_MAX
+from specpilot.decoding.prompts import load_prompts
+from specpilot.decoding.sampling import Sampling
+from specpilot.env.oracle import load_traces, record_trace, save_traces, trace_temperature
+from specpilot.env.oracle import load_profile
+from specpilot.env.profile import fit_grid_in_context, profile_costs
+from specpilot.env.simulate import compare_profiles, save_profile, simulate_profile
 
-from env.load import LOADS, background_load
+from specpilot.env.load import LOADS, background_load
 from .plots import plot_profile
 
 CONTEXT_FITS = ("linear", "none")
@@ -79,7 +79,7 @@ class ProfileConfig:
     gemm: str = "auto"
     """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
     (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
-    of 1-3 drafted tokens on this CPU; `python -m bench.gemm` times both)."""
+    of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
     context_fit: str = "linear"
     """How a measured grid (--grid-context-lens, three lengths or more) is smoothed over the context: linear (per
     batch size and k, the least-squares line through its cells, env.profile.fit_grid_in_context; the medians

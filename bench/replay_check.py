@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from decoding.loop import generate
-from decoding.observation import FEATURES
-from decoding.policies import LengthPolicy
-from decoding.prompts import batches_of
-from env.replay_env import ReplayEnv, replay_episode
+from specpilot.decoding.loop import generate
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.policies import LengthPolicy
+from specpilot.decoding.prompts import batches_of
+from specpilot.env.replay_env import ReplayEnv, replay_episode
 
 
 class Recorder(LengthPolicy):

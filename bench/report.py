@@ -6,12 +6,12 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from decoding.paths import atomic_write_text
+from specpilot.decoding.paths import atomic_write_text
 
 
 RUN_TIMING = ("policy", "batch_size", "batch_index", "question_ids", "repeat", "new_tokens", "seconds", "steps",
               "drafted", "accepted", "policy_s", "category", "load")
-"""What a report's JSON keeps of each run: its timing and counts, not its token ids (`python -m bench.paired_cli
+"""What a report's JSON keeps of each run: its timing and counts, not its token ids (`python -m specpilot.bench.paired_cli
 --results reports/NAME.json` re-reads them, per category too)."""
 
 

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.config import parse_config, parse_ints
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK
-from decoding.paths import atomic_write_text, policy_dir, relative, traces_path
-from decoding.policies import StaticK, parse_policy
-from env.oracle import (
+from specpilot.decoding.config import parse_config, parse_ints
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.paths import atomic_write_text, policy_dir, relative, traces_path
+from specpilot.decoding.policies import StaticK, parse_policy
+from specpilot.env.oracle import (
     CostModel, load_draft_traces, load_profile, oracle_schedule, plain_seconds, profile_hardware, truncate,
 )
-from env.replay_env import replay_evaluate
+from specpilot.env.replay_env import replay_evaluate
 
 from .batch_table import BatchContextTableK, BatchTableK, goodput_table
 
@@ -95,7 +95,7 @@ def simulated_main(argv: list[str] | None = None) -> int:
                     "sglang-adaptive": parse_policy("sglang-adaptive", cfg.k_max)}
         folder = policy_dir(device, cfg.draft, cfg.policies)
         if (folder / "policy.json").exists():
-            policies["learned"] = LearnedK.load(folder, allow_device_mismatch=True, draft=cfg.draft)
+            policies["learned"] = LearnedK.load(folder, allow_device_mismatch=True, draft=cfg.draft, replay=True)
         else:
             print(f"no learned policy for {device} in {folder} (train one: python scripts/train_policy.py --device {device} "
                   f"--allow-simulated --profile {path})", file=sys.stderr)

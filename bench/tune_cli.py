@@ -12,17 +12,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoding.config import at_least, parse_config, parse_ints, warn
-from decoding.errors import SpecPilotError
-from decoding.paths import (
+from specpilot.decoding.hardware import artifact_key
+from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import (
     atomic_write_text,
     profile_path,
     relative,
     rules_path,
     traces_path,
 )
-from decoding.policies import DEFAULT_K_MAX, LengthPolicy, PerBatchK, parse_policy
-from env.oracle import (
+from specpilot.decoding.policies import DEFAULT_K_MAX, LengthPolicy, PerBatchK, parse_policy
+from specpilot.env.oracle import (
     CostModel,
     load_draft_traces,
     load_profile,
@@ -30,7 +31,7 @@ from env.oracle import (
     train_traces,
     truncate,
 )
-from env.replay_env import replay_evaluate
+from specpilot.env.replay_env import replay_evaluate
 
 from .batch_table import BatchTableK
 
@@ -127,6 +128,7 @@ def rules_policy(by_batch: dict, profile: dict, traces, k_max: int, draft: str, 
 
 def tune_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TuneConfig, argv)
+    cfg.device = artifact_key(cfg.device)  # 'cpu' -> this CPU's machine key
     at_least(1, max_new_tokens=cfg.max_new_tokens, k_max=cfg.k_max)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
     source = Path(cfg.profile) if cfg.profile else profile_path(cfg.device, cfg.draft)

@@ -53,7 +53,7 @@ class GenerateConfig:
     gemm: str = "auto"
     """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
     (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
-    of 1-3 drafted tokens on this CPU; `python -m bench.gemm` times both)."""
+    of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
     allow_device_mismatch: bool = False
     """Let --policy learned use a policy trained on another device."""
     json: bool = False

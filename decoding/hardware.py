@@ -59,6 +59,28 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (the affinity mask where the OS has one, else the CPU count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_key(name: str | None = None, cores: int | None = None) -> str:
+    """This CPU's machine key, from its model and core count: 'AMD EPYC' on 2 cores -> 'cpu-amd-epyc-2c'.
+    A CPU's profile, rules and policy live under it (the measured plain-step speed is recorded in the profile
+    and checked when a policy is loaded, see `specpilot.decoding.paths.speed_warning`)."""
+    model = re.sub(r"\((r|tm)\)|\b(cpu|processor)\b|@.*$", " ", (name or cpu_name()).lower())
+    model = re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "unknown"
+    return f"cpu-{model}-{cores or cpu_cores()}c"
+
+
+def is_cpu_key(key: str) -> bool:
+    """'cpu' or a CPU machine key ('cpu-amd-epyc-2c')."""
+    return key == "cpu" or key.startswith("cpu-")
+
+
 def _cuda():
     """torch.cuda when a CUDA device is visible, else None (torch is imported here, not at module load)."""
     import torch
@@ -89,7 +111,7 @@ class Device:
     """One resolved device: what every entry point uses (`resolve`)."""
 
     key: str
-    """Short name for policies, profiles and hyperparameters: 'cpu', 'h100', 'a100', ..."""
+    """The machine key of policies, profiles and rules: 'cpu-amd-epyc-2c' (CPU model and cores), 'h100', 'a100', ..."""
     torch: str
     """The torch device: 'cpu' or 'cuda:N' (N counts the visible devices, as torch does)."""
     name: str
@@ -101,11 +123,15 @@ def resolve(requested: str) -> Device:
     'cuda', 'cuda:N', or a device key such as 'h100' (the first visible GPU of that kind). Visible means
     as torch sees them, so CUDA_VISIBLE_DEVICES applies; NVML is never needed to resolve a device."""
     requested = str(requested).strip().lower()
-    if requested == "cpu":
-        return Device("cpu", "cpu", cpu_name())
+    if is_cpu_key(requested):
+        here = cpu_key()
+        if requested not in ("cpu", here):
+            raise SpecPilotError(f"--device {requested} is not this machine: its CPU is {here} ({cpu_name()}, "
+                                 f"{cpu_cores()} cores); pass --device cpu")
+        return Device(here, "cpu", cpu_name())
     names = gpu_names()
     if requested == "auto":
-        return Device(device_key(names[0]), "cuda:0", names[0]) if names else Device("cpu", "cpu", cpu_name())
+        return Device(device_key(names[0]), "cuda:0", names[0]) if names else Device(cpu_key(), "cpu", cpu_name())
     if requested == "cuda" or requested.startswith("cuda:"):
         index = requested.partition(":")[2] or "0"
         if not names:
@@ -119,6 +145,13 @@ def resolve(requested: str) -> Device:
             return Device(requested, f"cuda:{i}", name)
     found = ", ".join(f"cuda:{i} {n} ({device_key(n)})" for i, n in enumerate(names)) if names else f"no GPU, CPU {cpu_name()}"
     raise SpecPilotError(f"--device {requested} is not present on this machine; found: {found}")
+
+
+def artifact_key(requested: str) -> str:
+    """The machine key whose artifacts (profile, rules, policy) a replay-only command reads: 'cpu' and 'auto' mean
+    this machine's (`resolve`); any other key (say 'a100' on a CPU machine, or another CPU's key) is taken as given."""
+    requested = str(requested).strip().lower()
+    return resolve(requested).key if requested in ("cpu", "auto") else requested
 
 
 def resolve_device(requested: str) -> tuple[str, str]:

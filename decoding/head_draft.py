@@ -24,13 +24,14 @@ from torch import nn
 
 from .drafters import Draft, empty_draft, entropy_of
 from .errors import SpecPilotError
+from .paths import find_artifact
 from .sampling import Sampling, probs_from_logits, sample
 
 FORMAT = "specpilot-draft-head/1"
 CONFIG_FILE = "draft_head.json"
 WEIGHTS_FILE = "draft_head.safetensors"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFT = "drafts/smollm2-135m-head"
+"""The default draft head, as a path below an artifact root (`specpilot.decoding.paths.find_artifact`)."""
 
 
 @dataclass
@@ -147,9 +148,10 @@ def is_head_folder(spec: str) -> bool:
 
 
 def default_draft_folder() -> Path:
-    for root in (Path.cwd(), REPO_ROOT):
-        if (root / DEFAULT_DRAFT / CONFIG_FILE).is_file():
-            return root / DEFAULT_DRAFT
+    """The default head's folder in the first lookup root that holds it (working directory, user folder, package)."""
+    folder = find_artifact(Path(DEFAULT_DRAFT) / CONFIG_FILE).parent
+    if (folder / CONFIG_FILE).is_file():
+        return folder
     raise SpecPilotError(
         f"the default draft ({DEFAULT_DRAFT}) is missing; rebuild it with "
         "`python scripts/distill_draft.py` or pick another --draft (ngram, self:bf16, a model path)"

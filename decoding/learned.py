@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from .config import warn
 from .errors import SpecPilotError
-from .hardware import resolve_device
+from .hardware import artifact_key, is_cpu_key
 from .observation import FEATURES
-from .paths import POLICIES, slug
+from .paths import POLICIES, search_roots, slug
 from .policies import LengthPolicy, at_or_below, batch_of, parse_policy
 
 FORMAT_VERSION = 1
@@ -31,17 +32,22 @@ def pinned_mask(var) -> np.ndarray:
     return np.sqrt(np.asarray(var, dtype=np.float64)) < MIN_FEATURE_STD
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
 def default_policy_path(device_key: str, draft: str | None = None) -> Path:
-    """policies/<device>/<draft>/policy.json (one policy per device and drafter) in the working
-    directory, else in the repository."""
+    """policies/<device>/<draft>/policy.json (one policy per machine key and drafter) in the first lookup root
+    that holds one (working directory, user folder, package data: `specpilot.decoding.paths`). On a CPU without a
+    policy of its own, another CPU's policy for that draft, with a one-line warning."""
     name = slug(draft) if draft else "*"
-    for root in (Path.cwd(), REPO_ROOT):
-        found = sorted((root / POLICIES / device_key).glob(f"{name}/policy.json"))
+    roots = search_roots(POLICIES.name)
+    for root in roots:
+        found = sorted((root / device_key).glob(f"{name}/policy.json"))
         if found:
             return found[0]
+    if is_cpu_key(device_key):
+        others = [p for root in roots for p in sorted(root.glob(f"cpu-*/{name}/policy.json"))]
+        if others:
+            warn(f"no policy for this machine ({device_key}); using {others[0].parent.parent.name}'s, profiled on "
+                 f"another CPU: train one here with python scripts/train_policy.py --device cpu")
+            return others[0]
     raise SpecPilotError(
         f"no learned policy for device '{device_key}'" + (f" and draft '{draft}'" if draft else "")
         + f" (looked for policies/{device_key}/{name}/policy.json); train one with: "
@@ -60,7 +66,7 @@ class LearnedK(LengthPolicy):
         self.name = "learned" if defer else "learned-mlp"
         self.k_max = int(meta["k_max"])
         self.defer: dict[int, LengthPolicy | None] = {}
-        """{batch size: tuned rule, or None for the MLP} (meta `defer`, written by `python -m agents.defer` and by
+        """{batch size: tuned rule, or None for the MLP} (meta `defer`, written by `python -m specpilot.agents.defer` and by
         train_policy.py where the train-split replay put the rule ahead of the fitted MLP): a batch of B rows is
         decided by the entry of the largest listed size <= B. Empty: the MLP decides everywhere."""
         self.deferred = 0
@@ -119,13 +125,15 @@ class LearnedK(LengthPolicy):
 
     @classmethod
     def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None,
-             draft: str | None = None, defer: bool = True) -> "LearnedK":
+             draft: str | None = None, defer: bool = True, replay: bool = False) -> "LearnedK":
         """Load policy.json (+ policy.safetensors beside it); `path` may be either file or their folder.
         `defer=False`: the MLP alone, ignoring the policy's `defer` rules (see `LearnedK.defer`).
+        `replay=True`: the policy will decide in a replay env (costs from a profile), not on the hardware, so a
+        policy trained on a simulated profile loads without its warning.
 
         `draft`: the drafter it will run with; a policy trained with another drafter is refused (its
         acceptance features mean something else)."""
-        here = device or resolve_device("auto")[0]
+        here = artifact_key(device or "auto")
         path = Path(path) if path else default_policy_path(here, draft)
         if path.is_dir():
             path = path / "policy.json"
@@ -149,7 +157,14 @@ class LearnedK(LengthPolicy):
                 f"policy {path} was trained on other observation features (unknown {unknown[:4]}"
                 f"{', or none listed' if not features else ''}{', or repeated' if features and not unknown else ''}); "
                 "retrain it with this version")
-        if meta.get("device") != here and not allow_device_mismatch:
+        trained_on = str(meta.get("device"))
+        if meta.get("simulated") and not replay:
+            warn(f"policy {path} was trained on a SIMULATED profile of {trained_on}, not on measured costs: on real "
+                 f"hardware profile and train it there (python scripts/train_policy.py --device {here})")
+        if trained_on != here and is_cpu_key(trained_on) and is_cpu_key(here) and not allow_device_mismatch:
+            warn(f"policy {path} was trained on {trained_on} ({meta.get('hardware_name')}), this machine is {here}: "
+                 f"its costs are another CPU's (train one here with python scripts/train_policy.py --device cpu)")
+        elif trained_on != here and not allow_device_mismatch:
             raise SpecPilotError(
                 f"policy {path} was trained on device '{meta.get('device')}' ({meta.get('hardware_name')}), this is "
                 f"'{here}'; retrain with --device {here} or pass --allow-device-mismatch"

@@ -181,10 +181,10 @@ class SmallRowLinear(torch.nn.Linear):
     torch computes `F.linear(x, W)` as x @ W^T, and on this CPU's MKL that costs 2-2.5x more for 2-4 rows than
     for one (the same weights read either way: the kernel, not the arithmetic, made a verify pass of 1-3 drafted
     tokens cost 1.65-2.0x a plain step). Handed over the other way round, W (out x in) times x^T (in x rows), a
-    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m bench.gemm`, ninth stop of reports/README.md).
+    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m specpilot.bench.gemm`, ninth stop of reports/README.md).
     One row is padded with a zero row and taken the same way: MKL's one-row product (x @ W^T and W @ x alike)
     is slower than its two-row one here, and a plain step through two rows is 1.44x [1.14, 1.80] as fast as one
-    through nn.Linear (`python -m bench.gemm --batch-sizes 1,2 --context-len 512`, thirteenth stop). At 5 or more rows nn.Linear's path was no slower, so those keep it,
+    through nn.Linear (`python -m specpilot.bench.gemm --batch-sizes 1,2 --context-len 512`, thirteenth stop). At 5 or more rows nn.Linear's path was no slower, so those keep it,
     as do other dtypes and devices. Same numbers up to float summation order. The product is returned contiguous:
     handed on transposed, the projections' outputs sent attention down a path whose cost grows with the context
     (at 2,048 tokens two rows' plain step 0.75x and four rows' 0.58x as fast as nn.Linear's, eleventh stop)."""
@@ -265,7 +265,7 @@ GEMM_PATHS = ("auto", "linear", "small-rows")
 
 
 def resolve_gemm(gemm: str, device: str) -> str:
-    """auto -> small-rows on the CPU (where `python -m bench.gemm` measured it faster), linear elsewhere."""
+    """auto -> small-rows on the CPU (where `python -m specpilot.bench.gemm` measured it faster), linear elsewhere."""
     if gemm not in GEMM_PATHS:
         raise SpecPilotError(f"--gemm must be one of {', '.join(GEMM_PATHS)}, got '{gemm}'")
     if gemm == "auto":

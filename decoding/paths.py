@@ -1,20 +1,73 @@
 """Where the project keeps its files: one place for the naming conventions every command shares.
 
-Paths are relative to the working directory (the repository root when run from there), so reports and
-exported files record them as they are written here, never a machine's absolute path.
+Artifacts (cost profiles, traces, tuned rules, policies, draft heads) are looked up in three roots, first
+match wins (`find_artifact`):
+1. the working directory (`profiles/`, `policies/`, `drafts/` below it: a source checkout, or a user's own);
+2. the user folder, `$SPECPILOT_HOME` or else platformdirs' user data folder for "specpilot"
+   (`~/.local/share/specpilot` on Linux): where commands write by default outside a source checkout;
+3. the installed package's data (`specpilot.policies`, `specpilot.profiles`, `specpilot.drafts`): the
+   committed artifacts, found through importlib.resources.
+Paths are recorded relative to the working directory when they lie below it, never a machine's absolute path.
 """
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 import re
 import tempfile
 from pathlib import Path
 
+from platformdirs import user_data_dir
+
 from .errors import SpecPilotError
 
 PROFILES = Path("profiles")
 POLICIES = Path("policies")
+DRAFTS = Path("drafts")
+KINDS = (PROFILES.name, POLICIES.name, DRAFTS.name)
+
+
+def user_dir() -> Path:
+    """The user folder: $SPECPILOT_HOME, else platformdirs' user data folder of "specpilot"."""
+    return Path(os.environ.get("SPECPILOT_HOME") or user_data_dir("specpilot")).expanduser()
+
+
+def package_dir(kind: str) -> Path | None:
+    """The installed package data folder of `kind` ('profiles', 'policies', 'drafts'), or None."""
+    try:
+        return Path(str(importlib.resources.files(f"specpilot.{kind}")))
+    except (ModuleNotFoundError, TypeError):
+        return None
+
+
+def search_roots(kind: str) -> list[Path]:
+    """The folders of `kind` in lookup order: working directory, user folder, package data (each once)."""
+    roots, seen = [], set()
+    for root in (Path(kind), user_dir() / kind, package_dir(kind)):
+        if root is not None and root.resolve() not in seen:
+            seen.add(root.resolve())
+            roots.append(root)
+    return roots
+
+
+def find_artifact(path: str | Path) -> Path:
+    """A relative artifact path ('policies/KEY/DRAFT/policy.json') in the first root that holds it; the path as
+    given when none does (or when it is absolute or not below an artifact folder), so that errors name it."""
+    path = Path(path)
+    if path.is_absolute() or not path.parts or path.parts[0] not in KINDS:
+        return path
+    for root in search_roots(path.parts[0]):
+        found = root.joinpath(*path.parts[1:])
+        if found.exists():
+            return found
+    return path
+
+
+def output_dir(kind: str) -> Path:
+    """Where a command writes a `kind` folder by default: `kind` in the working directory when that folder is
+    there (a source checkout, or a user's own), else in the user folder (`user_dir`)."""
+    return Path(kind) if Path(kind).is_dir() else user_dir() / kind
 
 
 def slug(text: str) -> str:
@@ -25,7 +78,7 @@ def slug(text: str) -> str:
 def traces_path(draft_name: str, temperature: float = 0.0) -> Path:
     """profiles/traces-DRAFT.json: the greedy acceptance traces recorded with this draft; traces-DRAFT-tT.json
     those of sampled decoding at temperature T."""
-    return PROFILES / f"traces-{slug(draft_name)}{temperature_suffix(temperature)}.json"
+    return find_artifact(PROFILES / f"traces-{slug(draft_name)}{temperature_suffix(temperature)}.json")
 
 
 def rules_path(device_key: str, draft_name: str, temperature: float = 0.0) -> Path:
@@ -39,16 +92,20 @@ def temperature_suffix(temperature: float) -> str:
 
 
 def profile_path(device_key: str, draft_name: str | None = None) -> Path:
-    """profiles/DEVICE-DRAFT.json when that draft has its own profile (its draft cost), else profiles/DEVICE.json."""
+    """profiles/DEVICE-DRAFT.json when that draft has its own profile (its draft cost), else profiles/DEVICE.json
+    (in the first root that holds it, see `find_artifact`)."""
     if draft_name:
-        own = PROFILES / f"{device_key}-{slug(draft_name)}.json"
+        own = find_artifact(PROFILES / f"{device_key}-{slug(draft_name)}.json")
         if own.exists():
             return own
-    return PROFILES / f"{device_key}.json"
+    return find_artifact(PROFILES / f"{device_key}.json")
 
 
-def policy_dir(device_key: str, draft_name: str, root: str | Path = POLICIES) -> Path:
-    """ROOT/DEVICE/DRAFT: where a device's policy for one drafter (and its run, its engine tables) lives."""
+def policy_dir(device_key: str, draft_name: str, root: str | Path | None = None) -> Path:
+    """ROOT/DEVICE/DRAFT: where a device's policy for one drafter (and its run, its engine tables) lives. Without a
+    root: the first of the lookup roots that holds it (`find_artifact`), else policies/ in the working directory."""
+    if root is None:
+        return find_artifact(POLICIES / device_key / slug(draft_name))
     return Path(root) / device_key / slug(draft_name)
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decoding.config import parse_config
-from decoding.errors import SpecPilotError
-from decoding.head_draft import (
+from specpilot.decoding.config import parse_config
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.head_draft import (
     DEFAULT_DRAFT,
     DraftHead,
     HeadConfig,
@@ -36,10 +36,10 @@ from decoding.head_draft import (
     sub_head_weight,
     target_signature,
 )
-from decoding.models import cache_dir, load_target
-from decoding.prompts import Prompt, load_prompts
-from decoding.synth_prompts import synthetic_prompts
-from decoding.tracking import start_tracking
+from specpilot.decoding.models import cache_dir, load_target
+from specpilot.decoding.prompts import Prompt, load_prompts
+from specpilot.decoding.synth_prompts import synthetic_prompts
+from specpilot.decoding.tracking import start_tracking
 
 IGNORE = -100
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.drafters import NgramDrafter
-from decoding.errors import SpecPilotError
-from decoding.paths import atomic_write_text, read_json_file
-from decoding.loop import generate
-from decoding.policies import LengthPolicy, NoSpeculation
-from decoding.sampling import Sampling
+from specpilot.decoding.drafters import NgramDrafter
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import atomic_write_text, read_json_file
+from specpilot.decoding.loop import generate
+from specpilot.decoding.policies import LengthPolicy, NoSpeculation
+from specpilot.decoding.sampling import Sampling
 
 
 @dataclass

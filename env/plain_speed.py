@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.errors import SpecPilotError
-from decoding.paths import atomic_write_text, read_json_file
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import atomic_write_text, read_json_file
 
 from .oracle import grid_lookup
 from .profile import profile_costs

@@ -14,11 +14,11 @@ import time
 import numpy as np
 import torch
 
-from decoding.drafters import Draft
-from decoding.errors import SpecPilotError
-from decoding.hardware import shared_monitor
-from decoding.loop import speculative_step, start, synchronize
-from decoding.sampling import Sampling
+from specpilot.decoding.drafters import Draft
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import shared_monitor
+from specpilot.decoding.loop import speculative_step, start, synchronize
+from specpilot.decoding.sampling import Sampling
 
 
 class RandomDrafter:

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
-from decoding.drafters import match_statistics
-from decoding.errors import SpecPilotError
-from decoding.hardware import HW_FEATURES
-from decoding.loop import BatchView, RowView, StepResult
-from decoding.observation import ObservationBuilder
-from decoding.prompts import batches_of
+from specpilot.decoding.drafters import match_statistics
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import HW_FEATURES
+from specpilot.decoding.loop import BatchView, RowView, StepResult
+from specpilot.decoding.observation import ObservationBuilder
+from specpilot.decoding.prompts import batches_of
 
 from .episode import EpisodeStats, PlainCredit, step_reward
 from .oracle import CostModel, Trace

@@ -18,8 +18,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decoding.errors import SpecPilotError
-from decoding.paths import read_json_file
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import read_json_file
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def condition_counters(device: str, condition: Condition) -> list[float]:
     """The hardware features (decoding.hardware.HW_FEATURES) as NVML would read them while this device decodes
     under `condition`: GPU busy, SM clock ratio, power near the cap when capped, memory-busy time and (Hopper
     and newer: GPM) DRAM bandwidth utilisation raised by a co-tenant. Decoding alone keeps HBM ~70% busy."""
-    from decoding.hardware import HW_FEATURES
+    from specpilot.decoding.hardware import HW_FEATURES
 
     gpm = device in ("h100", "h200")
     own = 0.7 * (1.0 - condition.hbm_share)  # our share of the memory traffic
@@ -206,6 +206,6 @@ def compare_profiles(simulated: dict, measured: dict) -> list[dict]:
 
 
 def save_profile(profile: dict, path: str | Path) -> Path:
-    from decoding.paths import atomic_write_text
+    from specpilot.decoding.paths import atomic_write_text
 
     return atomic_write_text(path, json.dumps(profile, indent=1))

@@ -20,13 +20,13 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from decoding.errors import SpecPilotError
-from decoding.loop import speculative_step, start
-from decoding.models import load_draft, load_target
-from decoding.observation import ObservationBuilder
-from decoding.policies import DEFAULT_K_MAX
-from decoding.prompts import Prompt, load_prompts
-from decoding.sampling import Sampling
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.loop import speculative_step, start
+from specpilot.decoding.models import load_draft, load_target
+from specpilot.decoding.observation import ObservationBuilder
+from specpilot.decoding.policies import DEFAULT_K_MAX
+from specpilot.decoding.prompts import Prompt, load_prompts
+from specpilot.decoding.sampling import Sampling
 
 from .episode import EpisodeStats, PlainCredit, step_reward
 from .load import LOADS, start_load, stop_load

@@ -2,8 +2,8 @@
 """Benchmark length policies side by side; see `python scripts/benchmark.py --help`."""
 import sys
 
-from bench.benchmark_cli import benchmark_main
-from decoding.config import run_cli
+from specpilot.bench.benchmark_cli import benchmark_main
+from specpilot.decoding.config import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(benchmark_main))

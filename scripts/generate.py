@@ -2,8 +2,8 @@
 """Generate text with speculative decoding; see `python scripts/generate.py --help`."""
 import sys
 
-from decoding.config import run_cli
-from decoding.generate_cli import generate_main
+from specpilot.decoding.config import run_cli
+from specpilot.decoding.generate_cli import generate_main
 
 if __name__ == "__main__":
     sys.exit(run_cli(generate_main))

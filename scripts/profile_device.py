@@ -2,8 +2,8 @@
 """Measure a device's cost profile and record acceptance traces; see --help."""
 import sys
 
-from bench.profile_cli import profile_main
-from decoding.config import run_cli
+from specpilot.bench.profile_cli import profile_main
+from specpilot.decoding.config import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(profile_main))

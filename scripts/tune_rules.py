@@ -2,8 +2,8 @@
 """Tune the serving engines' k rules on the train split for a device and draft; see --help."""
 import sys
 
-from bench.tune_cli import tune_main
-from decoding.config import run_cli
+from specpilot.bench.tune_cli import tune_main
+from specpilot.decoding.config import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(tune_main))

@@ -3,15 +3,22 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the user folder of specpilot.decoding.paths: a test never reads or writes the real one
+os.environ["SPECPILOT_HOME"] = tempfile.mkdtemp(prefix="specpilot-home-")
 torch.set_num_threads(1)  # tiny models: threads only add contention (and CI has 2 cores)
 
-from decoding.models import Target  # noqa: E402
+from specpilot.decoding.hardware import cpu_key  # noqa: E402
+from specpilot.decoding.models import Target  # noqa: E402
+
+CPU_KEY = cpu_key()
+"""This machine's key: where a command run with --device cpu writes its policy (OUT/CPU_KEY/DRAFT)."""
 
 TINY_VOCAB = 64
 
@@ -89,7 +96,7 @@ def tiny_pair():
 
 @pytest.fixture(scope="session")
 def embedded_target():
-    from decoding.models import load_target
+    from specpilot.decoding.models import load_target
 
     return load_target("embedded", dtype="float32", device="cpu")
 
@@ -134,7 +141,7 @@ def tiny_model_dirs(tmp_path_factory):
 def stretch_traces(k: int, n: int = 8, length: int = 36):
     """Hand-made acceptance traces: stretches of 6 positions where prompt lookup matches 3 tokens and all k drafts
     are right, alternating with stretches where it matches 1 token and every draft is wrong (row q shifted by 2q)."""
-    from env.oracle import Trace
+    from specpilot.env.oracle import Trace
 
     out = []
     for q in range(n):

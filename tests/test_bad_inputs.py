@@ -9,15 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.defer import defer_main
-from agents.export import write_policy
-from agents.train_cli import train_main
-from bench.benchmark_cli import benchmark_main
-from bench.profile_cli import profile_main
-from bench.tune_cli import tune_main
-from decoding.config import run_cli
-from decoding.generate_cli import generate_main
-from decoding.observation import FEATURES
+from specpilot.agents.defer import defer_main
+from specpilot.agents.export import write_policy
+from specpilot.agents.train_cli import train_main
+from specpilot.bench.benchmark_cli import benchmark_main
+from specpilot.bench.profile_cli import profile_main
+from specpilot.bench.tune_cli import tune_main
+from specpilot.decoding.config import run_cli
+from specpilot.decoding.generate_cli import generate_main
+from specpilot.decoding.observation import FEATURES
+from conftest import CPU_KEY
 
 MAINS = {"benchmark": benchmark_main, "generate": generate_main, "train": train_main, "profile": profile_main,
          "tune": tune_main, "defer": defer_main}
@@ -57,7 +58,7 @@ def make_files(root: Path) -> dict[str, str]:
     (incomplete / "policy.json").write_text(json.dumps(meta_json))
     bad_defer = root / "policy_defer"
     write_policy(bad_defer, layers, norm, "tanh", 4, "cpu", "test", 0, {"draft": "ngram:3", "defer": {"2": "warp:9"}})
-    run_dir = root / "train" / "cpu" / "ngram-3" / "run"
+    run_dir = root / "train" / CPU_KEY / "ngram-3" / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plain_speed.json").write_text("{\"context_lens\": [32], \"seconds\": ")
     for p in root.rglob("*"):

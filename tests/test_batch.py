@@ -5,11 +5,11 @@ import pytest
 import torch
 from conftest import RandomK, perturbed_copy, plain_greedy, tiny_llama, tiny_target
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.errors import SpecPilotError
-from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
-from decoding.loop import generate, speculative_step, start
-from decoding.policies import parse_policy
+from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
+from specpilot.decoding.loop import generate, speculative_step, start
+from specpilot.decoding.policies import parse_policy
 
 # different lengths (one of a single token), repetitive and not
 BATCH = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3], [11, 30]]
@@ -78,7 +78,7 @@ class PartlyRightDrafter:
         pass
 
     def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None):
-        from decoding.drafters import Draft
+        from specpilot.decoding.drafters import Draft
 
         tokens = torch.empty(len(contexts), k, dtype=torch.long)
         for i, (context, row) in enumerate(zip(contexts, rows)):
@@ -118,7 +118,7 @@ def test_batch_of_one_is_the_single_sequence_path(tiny_pair):
 
 
 def test_batched_sampling_is_reproducible_and_complete(tiny_pair):
-    from decoding.sampling import Sampling
+    from specpilot.decoding.sampling import Sampling
 
     model, _ = tiny_pair
     sampling = Sampling(temperature=0.8)
@@ -166,7 +166,7 @@ def test_grouped_query_attention_in_place_is_transformers_attention(tiny_pair):
     the comparison has the power to see a wrong head grouping (kv heads tiled instead of interleaved)."""
     import copy
 
-    from decoding.models import GQA_SDPA, use_gqa_attention
+    from specpilot.decoding.models import GQA_SDPA, use_gqa_attention
 
     model, _ = tiny_pair
     assert model.config.num_key_value_heads < model.config.num_attention_heads

@@ -8,16 +8,16 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from bench.batch_table import BatchTableK, policy_to_table, vllm_ranges
-from bench.export_cli import export_vllm_main
-from decoding.config import run_cli
-from decoding.errors import SpecPilotError
-from decoding.models import load_draft, load_target
-from decoding.observation import FEATURES
-from decoding.policies import StaticK
-from decoding.prompts import load_prompts
-from env import ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
-from env.oracle import CostModel, Trace
+from specpilot.bench.batch_table import BatchTableK, policy_to_table, vllm_ranges
+from specpilot.bench.export_cli import export_vllm_main
+from specpilot.decoding.config import run_cli
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.models import load_draft, load_target
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.policies import StaticK
+from specpilot.decoding.prompts import load_prompts
+from specpilot.env import ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
+from specpilot.env.oracle import CostModel, Trace
 
 K_MAX = 4
 
@@ -96,7 +96,7 @@ def test_replay_env_refuses_batches_without_a_batch_profile():
     profile = batch_profile()
     for key in ("batch_sizes", "batch_verify_s", "batch_draft_s_per_token"):
         profile.pop(key)
-    from decoding.errors import SpecPilotError
+    from specpilot.decoding.errors import SpecPilotError
 
     with pytest.raises(SpecPilotError, match="no batch sizes"):
         ReplayEnv([full_match_trace("a")], CostModel.from_profile(profile), k_max=K_MAX, batch_sizes=[1, 4])
@@ -179,7 +179,7 @@ def test_static_policy_in_batched_replay_drafts_the_widest_row():
 
 
 def test_plain_layers_seconds_counts_the_shrinking_batch():
-    from env.episode import plain_layers_seconds
+    from specpilot.env.episode import plain_layers_seconds
 
     step = lambda context, rows: {1: 1.0, 2: 1.5, 3: 1.8}[rows]  # noqa: E731
     # rows generating 5, 2 and 2 tokens: 2 steps of three rows, then 3 steps of one row
@@ -276,7 +276,7 @@ def test_paired_speedup_per_repeat_and_its_interval():
     """The machine is twice as slow in the second repeat; within each repeat the policy takes 0.8x plain's
     time, so its paired speedup is 1.25 in both and the interval collapses on it. A repeat where only
     plain decoding ran slow shows as that repeat's ratio and widens the interval."""
-    from bench.benchmark import BatchRun, summarize_batches
+    from specpilot.bench.benchmark import BatchRun, summarize_batches
 
     def run(policy, repeat, seconds):
         return BatchRun(policy, 2, 0, ["a", "b"], repeat, 20, seconds, 10, 0, 0, 0.0, [0] * 10, [[1], [2]])
@@ -302,9 +302,9 @@ def test_replay_prices_a_batch_at_the_real_loops_cache_width(tiny_pair):
     two accept differently at times: the real batch pads a row's short proposal with its last token, which
     a random tiny model sometimes accepts and the traces count as rejected.)"""
     from conftest import tiny_target
-    from decoding.drafters import NgramDrafter
-    from decoding.loop import speculative_step, start
-    from env.oracle import record_trace
+    from specpilot.decoding.drafters import NgramDrafter
+    from specpilot.decoding.loop import speculative_step, start
+    from specpilot.env.oracle import record_trace
 
     target = tiny_target(tiny_pair[0])
     prompts = [[5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9], [3, 4, 3, 4, 3] + list(range(20, 60)) + [3, 4]]
@@ -364,7 +364,7 @@ def test_the_paired_interval_uses_students_t_and_covers_95_percent():
     import random
     import statistics
 
-    from bench.benchmark import paired_ratio, t975
+    from specpilot.bench.benchmark import paired_ratio, t975
 
     scipy_stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 3, 4, 7, 12, 30):
@@ -397,9 +397,9 @@ def test_paired_cli_re_reads_a_committed_reports_ratios(tmp_path, capsys):
     beside the report, and names the policies it cannot compare."""
     import json
 
-    from bench.benchmark import paired_ratio
-    from bench.paired_cli import paired_main
-    from decoding.config import run_cli
+    from specpilot.bench.benchmark import paired_ratio
+    from specpilot.bench.paired_cli import paired_main
+    from specpilot.decoding.config import run_cli
 
     summary = {"table": {"1": {"learned": {"speedup_per_repeat": [1.2, 1.3, 1.25]},
                                "static:3": {"speedup_per_repeat": [1.1, 1.3, 1.0]},
@@ -433,8 +433,8 @@ def test_paired_cli_splits_one_row_runs_by_category(tmp_path, capsys):
     report's summary (no runs) is refused in one line."""
     import json
 
-    from bench.paired_cli import paired_main
-    from decoding.config import run_cli
+    from specpilot.bench.paired_cli import paired_main
+    from specpilot.decoding.config import run_cli
 
     def run(policy, repeat, category, seconds):
         return {"policy": policy, "batch_size": 1, "repeat": repeat, "category": category, "new_tokens": 10,
@@ -460,9 +460,9 @@ def test_a_report_keeps_its_runs_timings_and_paired_cli_re_reads_them(tmp_path, 
     by category from there and writes nothing beside the report."""
     import json
 
-    from bench.paired_cli import paired_main
-    from bench.report import write_report
-    from decoding.config import run_cli
+    from specpilot.bench.paired_cli import paired_main
+    from specpilot.bench.report import write_report
+    from specpilot.decoding.config import run_cli
 
     runs = [{"policy": p, "batch_size": 1, "batch_index": 0, "question_ids": ["q"], "repeat": r, "category": "qa",
              "new_tokens": 10, "seconds": s * (1 + r), "steps": 10, "token_ids": [[1] * 10], "ks": [0] * 10}

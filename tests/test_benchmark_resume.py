@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-import bench.benchmark as benchmark
-from bench.benchmark import run_batch_benchmark
-from bench.benchmark_cli import benchmark_main
-from decoding.config import run_cli
-from decoding.drafters import NgramDrafter
-from decoding.errors import SpecPilotError
-from decoding.policies import StaticK
-from decoding.prompts import Prompt
+import specpilot.bench.benchmark as benchmark
+from specpilot.bench.benchmark import run_batch_benchmark
+from specpilot.bench.benchmark_cli import benchmark_main
+from specpilot.decoding.config import run_cli
+from specpilot.decoding.drafters import NgramDrafter
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.policies import StaticK
+from specpilot.decoding.prompts import Prompt
 
 PROMPTS = [Prompt("p0", "c", "Count from one to ten: one, two, three,"), Prompt("p1", "c", "Repeat after me: red blue red blue")]
 

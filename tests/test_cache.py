@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from conftest import tiny_target
 
-from decoding.drafters import ModelDrafter
-from decoding.loop import speculative_step, start
+from specpilot.decoding.drafters import ModelDrafter
+from specpilot.decoding.loop import speculative_step, start
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from bench.ceiling import Featurizer, fit_acceptance, predictive_policy, speedup
-from env.oracle import CostModel, Trace, oracle_schedule
+from specpilot.bench.ceiling import Featurizer, fit_acceptance, predictive_policy, speedup
+from specpilot.env.oracle import CostModel, Trace, oracle_schedule
 
 
 def test_predictive_policy_learns_what_the_match_length_says():
@@ -35,8 +35,8 @@ def test_input_families_add_their_columns_and_the_command_runs(tmp_path, capsys)
 
     import pytest
 
-    from bench.ceiling import ceiling_main, features, match_features, shadow_at
-    from decoding.config import run_cli
+    from specpilot.bench.ceiling import ceiling_main, features, match_features, shadow_at
+    from specpilot.decoding.config import run_cli
 
     rng = random.Random(1)
     traces = []
@@ -73,8 +73,8 @@ def test_target_confidences_come_from_one_forward_and_refuse_another_models_trac
     import torch
     from conftest import plain_greedy, tiny_target
 
-    from bench.ceiling import cached_confidences, target_confidences
-    from decoding.errors import SpecPilotError
+    from specpilot.bench.ceiling import cached_confidences, target_confidences
+    from specpilot.decoding.errors import SpecPilotError
 
     model = tiny_pair[0]
     prompt = [5, 9, 14, 5, 9]

@@ -2,8 +2,8 @@
 (and does not corrupt the next append), and a file from other settings is refused."""
 import pytest
 
-from decoding.errors import SpecPilotError
-from decoding.paths import Checkpoint
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.paths import Checkpoint
 
 
 def test_resume_reads_finished_units_and_drops_a_torn_tail(tmp_path):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from decoding.config import run_cli
-from decoding.generate_cli import generate_main
+from specpilot.decoding.config import run_cli
+from specpilot.decoding.generate_cli import generate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.improve import collect
-from decoding.errors import SpecPilotError
-from decoding.hardware import HW_FEATURES
-from decoding.policies import StaticK
-from env.oracle import CostModel, Trace
-from env.replay_env import MachineCondition, ReplayEnv
-from env.simulate import CONDITIONS, simulate_profile
+from specpilot.agents.improve import collect
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import HW_FEATURES
+from specpilot.decoding.policies import StaticK
+from specpilot.env.oracle import CostModel, Trace
+from specpilot.env.replay_env import MachineCondition, ReplayEnv
+from specpilot.env.simulate import CONDITIONS, simulate_profile
 
 from test_reward import brute_plain_seconds
 
@@ -140,11 +140,11 @@ def test_conditions_report_end_to_end(tmp_path):
     match-statistics features: it is read by name): the report, its JSON and plot are written; under no load,
     pinning the counters to their no-load reading changes nothing, and under the power cap the policy that reads
     them is ahead of the pinned one (what the counters carry), each speedup equal to a direct replay."""
-    from bench.conditions_cli import PINNED, conditions_main
-    from bench.simulated_cli import SimulatedReportConfig, split_traces
-    from decoding.learned import LearnedK
-    from env.oracle import load_profile, profile_hardware
-    from env.replay_env import replay_evaluate
+    from specpilot.bench.conditions_cli import PINNED, conditions_main
+    from specpilot.bench.simulated_cli import SimulatedReportConfig, split_traces
+    from specpilot.decoding.learned import LearnedK
+    from specpilot.env.oracle import load_profile, profile_hardware
+    from specpilot.env.replay_env import replay_evaluate
 
     report = tmp_path / "conditions.md"
     assert conditions_main(["--devices", "a100", "--batch-sizes", "32", "--context-lens", "512",
@@ -153,8 +153,8 @@ def test_conditions_report_end_to_end(tmp_path):
     cells = {c: v["cells"]["32x512"] for c, v in json.loads(report.with_suffix(".json").read_text())["results"]["a100"]["conditions"].items()}
     assert cells["none"]["learned"] == pytest.approx(cells["none"][PINNED], rel=1e-12)
     assert cells["power-cap"]["learned"] > 1.05 * cells["power-cap"][PINNED]
-    policy = LearnedK.load(ROOT / "policies-simulated" / "a100" / "ngram-3", allow_device_mismatch=True)
-    from decoding.observation import FEATURES
+    policy = LearnedK.load(ROOT / "policies-simulated" / "a100" / "ngram-3", allow_device_mismatch=True, replay=True)
+    from specpilot.decoding.observation import FEATURES
     assert "ngram_agreement" not in policy.features and len(policy.features) < len(FEATURES)  # an older policy
     profile = load_profile(ROOT / "profiles" / "a100-power-cap-simulated.json", "a100")
     test = split_traces(SimulatedReportConfig(), "test")

@@ -3,12 +3,12 @@ dropped categories are left out of training, not out of scoring; a recipe learne
 base where the features decide."""
 import pytest
 
-from agents.cross_fit import cross_fit, fold_of, recipe_filter
-from agents.improve import as_policy, improve_policy
-from decoding.errors import SpecPilotError
-from decoding.policies import StaticK
-from env.oracle import CostModel, Trace
-from env.replay_env import replay_evaluate
+from specpilot.agents.cross_fit import cross_fit, fold_of, recipe_filter
+from specpilot.agents.improve import as_policy, improve_policy
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.policies import StaticK
+from specpilot.env.oracle import CostModel, Trace
+from specpilot.env.replay_env import replay_evaluate
 
 K = 4
 

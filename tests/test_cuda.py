@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import perturbed_copy, plain_greedy, tiny_llama, tiny_target
 
-from decoding.drafters import ModelDrafter
-from decoding.loop import generate
-from decoding.policies import parse_policy
+from specpilot.decoding.drafters import ModelDrafter
+from specpilot.decoding.loop import generate
+from specpilot.decoding.policies import parse_policy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,7 +36,7 @@ def test_batched_lossless_on_gpu():
 
 
 def test_nvml_counters_sampled():
-    from decoding.hardware import HW_FEATURES, HardwareMonitor, device_of
+    from specpilot.decoding.hardware import HW_FEATURES, HardwareMonitor, device_of
 
     key, name = device_of("cuda:0")
     assert key and name

@@ -8,19 +8,19 @@ import math
 
 import numpy as np
 import pytest
-from conftest import stretch_traces
+from conftest import CPU_KEY, stretch_traces
 
-from agents.defer import defer_table, rule_spec, write_defer
-from agents.export import write_policy
-from agents.improve import as_policy
-from bench.batch_table import BatchTableK
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK
-from decoding.loop import StepResult
-from decoding.observation import FEATURES
-from decoding.policies import PerBatchK, StaticK, TrtllmK, parse_policy
-from env.oracle import CostModel, Trace
-from env.replay_env import replay_evaluate
+from specpilot.agents.defer import defer_table, rule_spec, write_defer
+from specpilot.agents.export import write_policy
+from specpilot.agents.improve import as_policy
+from specpilot.bench.batch_table import BatchTableK
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.loop import StepResult
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.policies import PerBatchK, StaticK, TrtllmK, parse_policy
+from specpilot.env.oracle import CostModel, Trace
+from specpilot.env.replay_env import replay_evaluate
 
 K = 4
 MATCH = FEATURES.index("ngram_match_len")
@@ -130,8 +130,8 @@ def test_a_deferring_policy_is_lossless_as_rows_end_and_the_batch_shrinks(tiny_p
     are its own greedy decoding."""
     from conftest import plain_greedy, tiny_target
 
-    from decoding.drafters import NgramDrafter
-    from decoding.loop import generate
+    from specpilot.decoding.drafters import NgramDrafter
+    from specpilot.decoding.loop import generate
 
     model, _ = tiny_pair
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 13, 2, 7, 5, 9]]
@@ -147,16 +147,16 @@ def test_a_deferring_policy_is_lossless_as_rows_end_and_the_batch_shrinks(tiny_p
 
 
 def test_the_committed_cpu_policys_table_is_what_the_command_writes(tmp_path, monkeypatch):
-    """`python -m agents.defer` on a copy of the committed CPU policy (its profile, traces and tuned rules)
+    """`python -m specpilot.agents.defer` on a copy of the committed CPU policy (its profile, traces and tuned rules)
     writes the table the committed policy holds, from the train split."""
     import shutil
     from pathlib import Path
 
-    from agents.defer import defer_main
+    from specpilot.agents.defer import defer_main
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # the profile and traces paths are relative to the repository
-    committed = root / "policies" / "cpu" / "ngram-3"
+    committed = root / "policies" / CPU_KEY / "ngram-3"
     meta = json.loads((committed / "policy.json").read_text())
     for name in ("policy.json", meta["weights"], "rules.json"):
         shutil.copy(committed / name, tmp_path / name)

@@ -7,8 +7,9 @@ import types
 
 import pytest
 
-import decoding.hardware as hw
-from decoding.errors import SpecPilotError
+import specpilot.decoding.hardware as hw
+from specpilot.decoding.errors import SpecPilotError
+from conftest import CPU_KEY
 
 # physical GPUs as NVML numbers them: (name, PCI bus, utilisation %)
 PHYSICAL = [("NVIDIA A100-SXM4-80GB", 0x07, 11), ("NVIDIA A100-SXM4-80GB", 0x0F, 22),
@@ -128,11 +129,11 @@ class Loaded(Exception):
 @pytest.mark.parametrize("device", ["cuda:1", "a100", "auto"])
 def test_every_command_resolves_the_device_the_same_way(gpus, monkeypatch, tmp_path, device):
     """--device cuda:N / a key / auto give the same torch device in all four commands (models never load)."""
-    import decoding.models
-    from agents.train_cli import train_main
-    from bench.benchmark_cli import benchmark_main
-    from bench.profile_cli import profile_main
-    from decoding.generate_cli import generate_main
+    import specpilot.decoding.models
+    from specpilot.agents.train_cli import train_main
+    from specpilot.bench.benchmark_cli import benchmark_main
+    from specpilot.bench.profile_cli import profile_main
+    from specpilot.decoding.generate_cli import generate_main
 
     gpus([2, 0] if device != "auto" else [0], fake_nvml())
     expected = "cuda:1" if device != "auto" else "cuda:0"
@@ -140,7 +141,7 @@ def test_every_command_resolves_the_device_the_same_way(gpus, monkeypatch, tmp_p
     def load_model(spec, dtype, torch_device):
         raise Loaded(torch_device)
 
-    monkeypatch.setattr(decoding.models, "load_model", load_model)
+    monkeypatch.setattr(specpilot.decoding.models, "load_model", load_model)
     monkeypatch.chdir(tmp_path)
     commands = {
         "generate": lambda: generate_main(["--device", device, "--prompt", "x"]),
@@ -169,10 +170,10 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for step in ("tests", "profile", "train", "generate"):
         assert f"{step}: exit 0" in proc.stdout
-    profile = json.loads((tmp_path / "profile" / "cpu.json").read_text())
+    profile = json.loads((tmp_path / "profile" / f"{CPU_KEY}.json").read_text())
     assert profile["batch_sizes"] == [1, 2] and len(profile["verify_s"][0]) == 5
     assert json.loads((tmp_path / "generate.json").read_text())["policy"] == "learned"
-    assert list((tmp_path / "policies").glob("cpu/ngram-3/policy.json"))
+    assert list((tmp_path / "policies").glob(f"{CPU_KEY}/ngram-3/policy.json"))
 
 
 def test_gpu_check_without_a_gpu_stops_at_once(tmp_path):
@@ -197,7 +198,7 @@ def test_background_load_never_outlives_its_run(tmp_path):
     import sys
     import time
 
-    from env.load import background_load
+    from specpilot.env.load import background_load
 
     with background_load("both") as procs:
         assert len(procs) == 2 and all(p.poll() is None for p in procs)
@@ -263,7 +264,7 @@ def test_benchmark_killed_under_load_leaves_no_load(tmp_path):
 def test_benchmark_under_loads_pairs_each_load_with_plain_under_it(tiny_model_dirs, tmp_path):
     """--background-load none,memory: every policy runs under each load in every repeat (the order rotating),
     each load's speedups are over plain decoding under that load, and every row matches plain decoding."""
-    from bench.benchmark_cli import benchmark_main
+    from specpilot.bench.benchmark_cli import benchmark_main
 
     out = tmp_path / "runs"
     assert benchmark_main(["--target", tiny_model_dirs["target"], "--draft", "ngram", "--policies", "none,static:3,static:1",

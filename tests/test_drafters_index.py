@@ -6,7 +6,7 @@ import time
 import numpy as np
 import torch
 
-from decoding.drafters import NgramDrafter, NgramIndex, match_statistics, ngram_search
+from specpilot.decoding.drafters import NgramDrafter, NgramIndex, match_statistics, ngram_search
 
 
 def test_index_search_equals_the_full_scan_as_the_sequence_grows():
@@ -61,9 +61,9 @@ def test_search_cost_does_not_grow_with_the_context():
 def test_lookup_cost_command_writes_a_row_per_context_length(tmp_path, capsys):
     import json
 
-    from bench.lookup_cost import lookup_cost_main
-    from decoding.config import run_cli
-    from env.oracle import Trace
+    from specpilot.bench.lookup_cost import lookup_cost_main
+    from specpilot.decoding.config import run_cli
+    from specpilot.env.oracle import Trace
 
     trace = Trace("q", "c", list(range(40)), [1, 2, 3] * 20, [0] * 60, [0] * 60, k_max=8, ngram_n=3)
     path = tmp_path / "traces.json"

@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from decoding.errors import SpecPilotError
-from decoding.loop import StepResult
-from decoding.observation import FEATURES
-from decoding.policies import SGLangAdaptiveK, TrtllmK, parse_policy
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.loop import StepResult
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.policies import SGLangAdaptiveK, TrtllmK, parse_policy
 
 
 def obs(batch: int = 1) -> np.ndarray:
@@ -95,7 +95,7 @@ def test_trtllm_defaults_and_bad_specs():
 
 
 def test_per_batch_policy_dispatches_on_the_batch_size():
-    from decoding.policies import PerBatchK, StaticK
+    from specpilot.decoding.policies import PerBatchK, StaticK
 
     policy = PerBatchK({1: StaticK(5), 4: StaticK(2), 16: StaticK(0)})
     assert [policy.choose_k(obs(b)) for b in (1, 3, 4, 15, 16, 40)] == [5, 5, 2, 2, 0, 0]
@@ -110,9 +110,9 @@ def test_tune_picks_each_familys_best_on_the_train_split_and_best_rule_replays_i
 
     from test_batch_policy import K_MAX, batch_profile, full_match_trace
 
-    from bench.benchmark_cli import benchmark_main
-    from bench.tune_cli import tune_main
-    from env.oracle import Trace
+    from specpilot.bench.benchmark_cli import benchmark_main
+    from specpilot.bench.tune_cli import tune_main
+    from specpilot.env.oracle import Trace
 
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({**batch_profile(), "device": "cpu"}))
@@ -166,9 +166,9 @@ def test_rules_are_tuned_and_read_per_temperature(tmp_path):
 
     from test_batch_policy import K_MAX, batch_profile, full_match_trace
 
-    from bench.benchmark_cli import benchmark_main
-    from bench.tune_cli import tune_main
-    from decoding.config import run_cli
+    from specpilot.bench.benchmark_cli import benchmark_main
+    from specpilot.bench.tune_cli import tune_main
+    from specpilot.decoding.config import run_cli
 
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({**batch_profile(), "device": "cpu"}))

@@ -6,12 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from agents.ensemble import ensemble_main, merge, sample_inside
-from agents.export import write_policy
-from agents.improve import as_policy
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK
-from decoding.observation import FEATURES
+from specpilot.agents.ensemble import ensemble_main, merge, sample_inside
+from specpilot.agents.export import write_policy
+from specpilot.agents.improve import as_policy
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.observation import FEATURES
 
 
 def member(seed: int, pinned: tuple[int, ...] = (), hidden=(16, 12), k_max: int = 8) -> LearnedK:

@@ -8,14 +8,15 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from decoding.errors import SpecPilotError
-from decoding.learned import LearnedK
-from decoding.loop import generate
-from decoding.models import load_draft, load_target
-from decoding.observation import FEATURES
-from decoding.policies import NoSpeculation
-from decoding.prompts import load_prompts
-from env import ENV_ID, PlainSpeed, SpecDecodeEnv
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.loop import generate
+from specpilot.decoding.models import load_draft, load_target
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.policies import NoSpeculation
+from specpilot.decoding.prompts import load_prompts
+from specpilot.env import ENV_ID, PlainSpeed, SpecDecodeEnv
+from conftest import CPU_KEY
 
 SMALL_PROMPTS = [p for p in load_prompts() if p.question_id.endswith(("-00", "-02"))][:6]
 
@@ -29,8 +30,8 @@ def tiny_env_parts(tiny_model_dirs):
 
 
 def policy_dir(root):
-    """OUT/cpu/<draft>: training writes one folder per device and drafter."""
-    folders = [p for p in (root / "cpu").iterdir() if p.is_dir()]
+    """OUT/<machine key>/<draft>: training writes one folder per device and drafter."""
+    folders = [p for p in (root / CPU_KEY).iterdir() if p.is_dir()]
     assert len(folders) == 1, folders
     return folders[0]
 
@@ -99,7 +100,7 @@ def train_args(dirs, out, timesteps, *extra):
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dirs, tmp_path_factory):
-    from agents.train_cli import train_main
+    from specpilot.agents.train_cli import train_main
 
     out = tmp_path_factory.mktemp("policies")
     assert train_main(train_args(tiny_model_dirs, out, 96, "--no-track")) == 0
@@ -108,7 +109,7 @@ def trained(tiny_model_dirs, tmp_path_factory):
 
 def test_ppo_run_exports_a_policy_that_decodes_losslessly(trained, tiny_env_parts):
     meta = json.loads((policy_dir(trained) / "policy.json").read_text())
-    assert meta["features"] == list(FEATURES) and meta["device"] == "cpu" and meta["k_max"] == 4
+    assert meta["features"] == list(FEATURES) and meta["device"] == CPU_KEY and meta["k_max"] == 4
     assert meta["training_steps"] == 96
     policy = LearnedK.load(policy_dir(trained) / "policy.json")
     target, draft, _ = tiny_env_parts
@@ -154,7 +155,7 @@ def test_features_constant_in_training_are_pinned(trained):
 def test_pinned_normalization_matches_vecnormalize_elsewhere():
     from stable_baselines3.common.running_mean_std import RunningMeanStd
 
-    from agents.ppo import PinnedVecNormalize
+    from specpilot.agents.ppo import PinnedVecNormalize
 
     norm = PinnedVecNormalize.__new__(PinnedVecNormalize)  # only the normalisation arithmetic is used
     norm.epsilon, norm.clip_obs = 1e-8, 10.0
@@ -165,8 +166,8 @@ def test_pinned_normalization_matches_vecnormalize_elsewhere():
 
 
 def test_resume_continues_step_count(tiny_model_dirs, tmp_path):
-    from agents.ppo import latest_checkpoint
-    from agents.train_cli import train_main
+    from specpilot.agents.ppo import latest_checkpoint
+    from specpilot.agents.train_cli import train_main
 
     assert train_main(train_args(tiny_model_dirs, tmp_path, 64, "--no-track")) == 0
     ckpt = policy_dir(tmp_path) / "run" / "checkpoints"
@@ -180,7 +181,7 @@ def test_resume_continues_step_count(tiny_model_dirs, tmp_path):
 def test_resume_skips_a_torn_checkpoint(tiny_model_dirs, tmp_path, capsys):
     """A checkpoint cut short (a kill while it was written) is skipped; the run resumes from the one before,
     losing one checkpoint interval, and ends with the step count asked for."""
-    from agents.train_cli import train_main
+    from specpilot.agents.train_cli import train_main
 
     assert train_main(train_args(tiny_model_dirs, tmp_path, 96, "--no-track")) == 0
     ckpt = policy_dir(tmp_path) / "run" / "checkpoints"
@@ -194,8 +195,8 @@ def test_resume_skips_a_torn_checkpoint(tiny_model_dirs, tmp_path, capsys):
 
 
 def test_step_budget_is_split_and_never_exceeded():
-    from agents.ppo import fit_rollouts, split_budget
-    from agents.train_cli import TrainConfig, plan_steps
+    from specpilot.agents.ppo import fit_rollouts, split_budget
+    from specpilot.agents.train_cli import TrainConfig, plan_steps
 
     assert split_budget(64, [0, 200000, 20000]) == [0, 58, 6]
     assert split_budget(64, [0, 0, 0]) == [0, 0, 64] and sum(split_budget(1001, [1, 1, 1])) == 1001
@@ -217,7 +218,7 @@ def test_step_budget_is_split_and_never_exceeded():
 
 
 def test_timesteps_is_the_total_of_the_run(tiny_model_dirs, tmp_path, capsys):
-    from agents.train_cli import train_main
+    from specpilot.agents.train_cli import train_main
 
     args = train_args(tiny_model_dirs, tmp_path, 40, "--no-track", "--hp", "n_steps=1024", "--hp", "checkpoint_every=1000")
     assert train_main(args) == 0
@@ -226,14 +227,14 @@ def test_timesteps_is_the_total_of_the_run(tiny_model_dirs, tmp_path, capsys):
 
 
 def test_resume_without_checkpoint_is_an_error(tiny_model_dirs, tmp_path):
-    from agents.train_cli import train_main
+    from specpilot.agents.train_cli import train_main
 
     with pytest.raises(SpecPilotError, match="no checkpoint"):
         train_main(train_args(tiny_model_dirs, tmp_path, 64, "--no-track", "--resume"))
 
 
 def test_offline_wandb_run_folder(tiny_model_dirs, tmp_path, monkeypatch):
-    from agents.train_cli import train_main
+    from specpilot.agents.train_cli import train_main
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -244,8 +245,8 @@ def test_offline_wandb_run_folder(tiny_model_dirs, tmp_path, monkeypatch):
 
 
 def test_named_device_not_present(tiny_model_dirs, tmp_path, capsys):
-    from agents.train_cli import train_main
-    from decoding.config import run_cli
+    from specpilot.agents.train_cli import train_main
+    from specpilot.decoding.config import run_cli
 
     assert run_cli(train_main, ["--device", "a100", "--no-track"]) == 2
     err = capsys.readouterr().err
@@ -253,7 +254,7 @@ def test_named_device_not_present(tiny_model_dirs, tmp_path, capsys):
 
 
 def test_policy_device_mismatch(trained):
-    with pytest.raises(SpecPilotError, match="trained on device 'cpu'"):
+    with pytest.raises(SpecPilotError, match=f"trained on device '{CPU_KEY}'"):
         LearnedK.load(policy_dir(trained), device="a100")
     assert LearnedK.load(policy_dir(trained), device="a100", allow_device_mismatch=True).k_max == 4
 
@@ -292,7 +293,7 @@ def test_policy_json_missing_keys(trained, tmp_path):
 
 
 def _export_again(folder, check=None):
-    from agents.export import write_policy
+    from specpilot.agents.export import write_policy
 
     old = LearnedK.load(folder)
     layers = [(wt.T * 2.0, b * 2.0) for wt, b in old.layers]  # a different policy, same shapes
@@ -321,7 +322,7 @@ def test_export_failed_check_leaves_the_previous_policy(trained, tmp_path):
 def test_export_killed_at_any_point_leaves_a_loadable_policy(trained, tmp_path, monkeypatch, kill_at):
     """A kill is simulated by an exception at the n-th filesystem step of the commit; the policy folder
     then loads (the old policy before the commit rename, the new one after it)."""
-    import agents.export as export
+    import specpilot.agents.export as export
 
     folder = copy_policy(trained, tmp_path)
     old_steps = LearnedK.load(folder).meta["training_steps"]
@@ -419,8 +420,8 @@ def test_missing_policy_file(tmp_path):
 
 def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     """--env both: pre-train on the replay env (profile + traces), fine-tune on the real loop."""
-    from agents.train_cli import train_main
-    from bench.profile_cli import profile_main
+    from specpilot.agents.train_cli import train_main
+    from specpilot.bench.profile_cli import profile_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": s,
@@ -430,8 +431,8 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
                          "--k-max", "4", "--context-lens", "32,256", "--repeats", "2", "--prompts", str(prompts),
                          "--max-new-tokens", "12", "--batch-sizes", "1,2", "--no-progress"]) == 0
-    written = list((tmp_path / "profiles").glob("cpu*.json"))  # a non-default draft's profile is cpu-DRAFT.json
-    assert len(written) == 1 and written[0].name != "cpu.json"
+    written = list((tmp_path / "profiles").glob("cpu*.json"))  # a non-default draft's profile is MACHINE-DRAFT.json
+    assert len(written) == 1 and written[0].name != f"{CPU_KEY}.json"
     profile = json.loads(written[0].read_text())
     assert len(profile["verify_s"]) == 2 and len(profile["verify_s"][0]) == 5 and profile["hardware"]
     args = train_args(tiny_model_dirs, tmp_path / "policies", 416, "--no-track", "--prompts", str(prompts),
@@ -469,7 +470,7 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert set(meta["defer"]) == set(ratios) == {"1", "2"} and meta["defer_evidence"]["margin"] == 0.0
     assert all((meta["defer"][b] is None) == (ratios[b] >= 1.0) for b in ratios)
     # tracked (W&B stood in for): the warm start's rounds are logged as steps of one run, which is then closed
-    import decoding.tracking
+    import specpilot.decoding.tracking
 
     runs = []
 
@@ -484,7 +485,7 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
         def finish(self):
             self.finished = True
 
-    monkeypatch.setattr(decoding.tracking, "start_tracking", lambda track, project, run_dir, config: FakeRun(config) if track else None)
+    monkeypatch.setattr(specpilot.decoding.tracking, "start_tracking", lambda track, project, run_dir, config: FakeRun(config) if track else None)
     args = [a for a in train_args(tiny_model_dirs, tmp_path / "tracked", 0, "--track", "--prompts", str(prompts), "--env",
                                   "replay", "--batch-sizes", "1,2", "--hp", "replay_timesteps=0", "--hp", "rollout_rounds=2",
                                   "--hp", "rollout_episodes=2", "--hp", "rollout_epochs=5")]
@@ -502,7 +503,7 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     assert json.loads((folder / "policy.prev.json").read_text()) == meta  # the policy it replaced, kept
 
     # traces of one split again: recorded anew for those prompts, the others kept
-    traces = tmp_path / "profiles" / written[0].name.replace("cpu-", "traces-")
+    traces = tmp_path / "profiles" / written[0].name.replace(f"{CPU_KEY}-", "traces-")
     before = json.loads(traces.read_text())
     assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
                          "--k-max", "4", "--prompts", str(prompts), "--max-new-tokens", "12", "--no-costs",
@@ -514,8 +515,8 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
 
 def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, capsys):
     """Every kind of policy, the oracle included, on tiny models: table, JSON, plot, report."""
-    from bench.benchmark_cli import benchmark_main
-    from bench.profile_cli import profile_main
+    from specpilot.bench.benchmark_cli import benchmark_main
+    from specpilot.bench.profile_cli import profile_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": "test",
@@ -574,7 +575,7 @@ def test_training_survives_sigkill_at_random_points(tiny_model_dirs, tmp_path):
     root = Path(__file__).resolve().parents[1]
     args = [sys.executable, str(root / "scripts" / "train_policy.py"), *train_args(tiny_model_dirs, tmp_path, 320, "--no-track",
                                                                                     "--env", "real")]
-    ckpt = tmp_path / "cpu"
+    ckpt = tmp_path / CPU_KEY
     rng = random.Random(1)
     env = {**os.environ, "PYTHONPATH": str(root)}
     kills = []
@@ -661,7 +662,7 @@ def test_real_env_runs_beside_the_background_load_it_draws(tiny_env_parts):
 
 
 def test_seeds_resolve_from_flags_then_yaml():
-    from agents.train_cli import TrainConfig, train_seeds
+    from specpilot.agents.train_cli import TrainConfig, train_seeds
 
     assert train_seeds(TrainConfig(), {"seeds": [2, 1]}) == [2, 1]
     assert train_seeds(TrainConfig(seed=5), {"seeds": [2, 1]}) == [5]
@@ -680,7 +681,7 @@ def test_seeds_resolve_from_flags_then_yaml():
 def test_seeds_train_one_policy_each_and_export_their_mean(tiny_model_dirs, tmp_path, tiny_env_parts):
     """--seeds 0,1: each seed's policy in seeds/seed-N/, the exported one computes the mean of their logits and
     decodes losslessly; --resume keeps the members already trained."""
-    from agents.train_cli import train_main
+    from specpilot.agents.train_cli import train_main
 
     assert train_main(train_args(tiny_model_dirs, tmp_path, 32, "--no-track", "--seeds", "0,1")) == 0
     folder = policy_dir(tmp_path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import stretch_traces
 
-from agents.fit_check import fit_check_main, holdout_split
-from decoding.errors import SpecPilotError
+from specpilot.agents.fit_check import fit_check_main, holdout_split
+from specpilot.decoding.errors import SpecPilotError
 
 
 def test_seeded_held_out_quarter_and_extras_that_repeat_a_train_prompt():

@@ -1,14 +1,14 @@
 """SmallRowLinear (W @ x^T for a few fp32 rows on the CPU) is nn.Linear up to float summation order, speculative
-decoding through it is token-identical to plain decoding through nn.Linear, and `python -m bench.gemm`'s timing
+decoding through it is token-identical to plain decoding through nn.Linear, and `python -m specpilot.bench.gemm`'s timing
 leaves the model as it found it."""
 import torch
 
-from bench.gemm import KERNELS, same_tokens, summarize, time_paths
+from specpilot.bench.gemm import KERNELS, same_tokens, summarize, time_paths
 from conftest import plain_greedy, tiny_llama, tiny_target
-from decoding.drafters import NgramDrafter
-from decoding.loop import generate
-from decoding.models import SmallRowLinear, use_small_row_gemm
-from decoding.policies import StaticK
+from specpilot.decoding.drafters import NgramDrafter
+from specpilot.decoding.loop import generate
+from specpilot.decoding.models import SmallRowLinear, use_small_row_gemm
+from specpilot.decoding.policies import StaticK
 
 
 def test_small_rows_compute_what_linear_computes():
@@ -85,15 +85,15 @@ def test_the_timing_covers_every_cell_and_restores_the_model():
 def test_an_unknown_gemm_path_is_one_line_error():
     import pytest
 
-    from decoding.errors import SpecPilotError
-    from decoding.models import load_target
+    from specpilot.decoding.errors import SpecPilotError
+    from specpilot.decoding.models import load_target
 
     with pytest.raises(SpecPilotError, match="--gemm must be one of auto, linear, small-rows"):
         load_target("embedded", gemm="fast")
 
 
 def test_auto_takes_small_rows_on_the_cpu_only(tiny_model_dirs):
-    from decoding.models import load_target, resolve_gemm
+    from specpilot.decoding.models import load_target, resolve_gemm
 
     assert [resolve_gemm("auto", d) for d in ("cpu", "cuda:0", "cuda")] == ["small-rows", "linear", "linear"]
     assert resolve_gemm("linear", "cpu") == "linear" and resolve_gemm("small-rows", "cuda:0") == "small-rows"

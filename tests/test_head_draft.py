@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import RandomK, plain_greedy, tiny_llama, tiny_target
 
-from decoding.errors import SpecPilotError
-from decoding.head_draft import (
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.head_draft import (
     DraftHead,
     HeadConfig,
     HeadDrafter,
@@ -16,11 +16,11 @@ from decoding.head_draft import (
     save_head,
     target_signature,
 )
-from decoding.loop import generate
-from decoding.models import load_draft, load_target
-from decoding.policies import parse_policy
-from distill import distill_cli as distill_mod
-from distill.distill_cli import DistillConfig, distill
+from specpilot.decoding.loop import generate
+from specpilot.decoding.models import load_draft, load_target
+from specpilot.decoding.policies import parse_policy
+from specpilot.distill import distill_cli as distill_mod
+from specpilot.distill.distill_cli import DistillConfig, distill
 
 
 def random_head(model, vocab_ids, seed=0) -> DraftHead:
@@ -51,7 +51,7 @@ def test_head_draft_random_k_with_eos(tiny_pair):
 
 
 def test_head_draft_sampling_proposals_live_on_sub_vocabulary(tiny_pair):
-    from decoding.sampling import Sampling
+    from specpilot.decoding.sampling import Sampling
 
     model, _ = tiny_pair
     sub = list(range(10, 40))

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from conftest import stretch_traces
 
-from agents.improve import as_policy, collect, fit, improve_policy, mean_regret
-from decoding.errors import SpecPilotError
-from decoding.observation import FEATURES
-from decoding.policies import StaticK
-from env.oracle import CostModel, OracleK, Trace, hindsight_q
-from env.replay_env import replay_evaluate
+from specpilot.agents.improve import as_policy, collect, fit, improve_policy, mean_regret
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.policies import StaticK
+from specpilot.env.oracle import CostModel, OracleK, Trace, hindsight_q
+from specpilot.env.replay_env import replay_evaluate
 
 K = 4
 
@@ -138,8 +138,8 @@ def test_behaviour_cloning_of_the_oracle_recovers_its_k_where_the_features_decid
 def test_batch_weights_decide_between_batch_sizes_that_disagree(monkeypatch):
     """The same observations labelled k = K at one row and k = 0 at two rows: the fit follows the batch size
     whose states weigh, and improve_policy hands its `batch_weights` to the fit."""
-    from agents import improve
-    from agents.improve import Dataset
+    from specpilot.agents import improve
+    from specpilot.agents.improve import Dataset
 
     rng = np.random.default_rng(0)
     obs = rng.standard_normal((200, len(FEATURES))).astype(np.float32)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import RandomK, plain_greedy, tiny_target
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.loop import generate
-from decoding.policies import parse_policy
+from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
+from specpilot.decoding.loop import generate
+from specpilot.decoding.policies import parse_policy
 
 PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42]]
 POLICIES = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5", "match:2",
@@ -107,7 +107,7 @@ def test_embedded_target_ngram_lossless(embedded_target):
 
 def test_self_bf16_draft_lossless(tiny_pair):
     """--draft self:bf16: a lower-precision copy of the target as draft (high acceptance, no training)."""
-    from decoding.models import load_draft
+    from specpilot.decoding.models import load_draft
 
     target_model, _ = tiny_pair
     target = tiny_target(target_model)
@@ -121,8 +121,8 @@ def test_self_bf16_draft_lossless(tiny_pair):
 
 def test_match_length_policy_speculates_only_on_long_ngram_matches(tiny_pair):
     """match:N:K drafts K tokens exactly when the observed n-gram match is >= N tokens, else none."""
-    from decoding.errors import SpecPilotError
-    from decoding.observation import FEATURES
+    from specpilot.decoding.errors import SpecPilotError
+    from specpilot.decoding.observation import FEATURES
 
     target_model, _ = tiny_pair
     policy = parse_policy("match:2:4")
@@ -149,16 +149,16 @@ def test_bf16_every_token_is_the_verify_pass_choice(greedy, monkeypatch):
     or a draw the rejection sampler may make from its logits). A (k+1)-token pass can differ from a
     1-token step in the last bits and flip a near-tie, so bf16 output is not promised token-identical to
     plain bf16 decoding; the benchmark reports that mismatch rate instead (measured here too)."""
-    import decoding.loop
-    from decoding.sampling import Sampling, probs_from_logits
-    from bench.benchmark import mismatch_rate
+    import specpilot.decoding.loop
+    from specpilot.decoding.sampling import Sampling, probs_from_logits
+    from specpilot.bench.benchmark import mismatch_rate
     from conftest import perturbed_copy, tiny_llama
 
     target_model = tiny_llama(dtype=torch.bfloat16, seed=2)
     draft_model = perturbed_copy(target_model, 0.15)
     sampling = Sampling() if greedy else Sampling(temperature=1.0, top_k=3)
     passes = []
-    real_greedy, real_sampling = decoding.loop.verify_greedy_rows, decoding.loop.verify_sampling
+    real_greedy, real_sampling = specpilot.decoding.loop.verify_greedy_rows, specpilot.decoding.loop.verify_sampling
 
     def greedy_recorded(tokens, logits):
         accepted, new, kept = real_greedy(tokens, logits)
@@ -171,8 +171,8 @@ def test_bf16_every_token_is_the_verify_pass_choice(greedy, monkeypatch):
         passes.append((None, p, accepted, new, tokens.shape[0]))
         return accepted, new
 
-    monkeypatch.setattr(decoding.loop, "verify_greedy_rows", greedy_recorded)
-    monkeypatch.setattr(decoding.loop, "verify_sampling", sampling_recorded)
+    monkeypatch.setattr(specpilot.decoding.loop, "verify_greedy_rows", greedy_recorded)
+    monkeypatch.setattr(specpilot.decoding.loop, "verify_sampling", sampling_recorded)
     prompt = [5, 9, 13, 2, 7]
     draft = ModelDrafter(draft_model, "d", target_model.config.vocab_size)
     result = generate(tiny_target(target_model), draft, parse_policy("static:4"), prompt, 40, sampling, seed=3)
@@ -191,7 +191,7 @@ def test_bf16_every_token_is_the_verify_pass_choice(greedy, monkeypatch):
 
 def test_rows_verifier_equals_the_one_row_verifier():
     """verify_greedy_rows (one transfer for all rows) keeps what verify_greedy keeps, row by row."""
-    from decoding.verify import verify_greedy, verify_greedy_rows
+    from specpilot.decoding.verify import verify_greedy, verify_greedy_rows
 
     g = torch.Generator().manual_seed(0)
     for k in (0, 1, 4):
@@ -237,7 +237,7 @@ def test_match_statistics_equal_a_plain_count():
 
     import numpy as np
 
-    from decoding.drafters import MATCH_CAP, match_statistics
+    from specpilot.decoding.drafters import MATCH_CAP, match_statistics
 
     # a b c X a b c Y a b c: two earlier occurrences of "a b c", followed by X and Y; the latest is followed by Y
     assert match_statistics(np.array([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]), 3) == (3, 2, 0.5)

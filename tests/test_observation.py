@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from conftest import tiny_target
 
-from decoding.drafters import ModelDrafter
-from decoding.errors import SpecPilotError
-from decoding.hardware import HW_FEATURES, HardwareMonitor, device_key, resolve_device
-from decoding.loop import generate, speculative_step, start
-from decoding.observation import FEATURES, HISTORY, ObservationBuilder, repetition_rate
-from decoding.policies import parse_policy
+from specpilot.decoding.drafters import ModelDrafter
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import HW_FEATURES, HardwareMonitor, cpu_key, device_key, resolve_device
+from specpilot.decoding.loop import generate, speculative_step, start
+from specpilot.decoding.observation import FEATURES, HISTORY, ObservationBuilder, repetition_rate
+from specpilot.decoding.policies import parse_policy
 
 
 def test_monitor_samples_in_background_and_never_nan():
@@ -32,7 +32,7 @@ def test_device_names():
     assert device_key("NVIDIA L4") == "l4"
     assert device_key("NVIDIA L40S") == "l40s"
     assert device_key("NVIDIA GH200 480GB") == "gh200"
-    assert resolve_device("cpu")[0] == "cpu"
+    assert resolve_device("cpu")[0] == cpu_key() and cpu_key().startswith("cpu-")
     with pytest.raises(SpecPilotError, match="not present"):
         resolve_device("h100")
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import tiny_target
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.errors import SpecPilotError
-from decoding.loop import generate
-from decoding.policies import NoSpeculation, StaticK
-from decoding.sampling import Sampling
-from env import REPLAY_ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
-from env.oracle import CostModel, OracleK, Trace, oracle_schedule, record_trace
+from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.loop import generate
+from specpilot.decoding.policies import NoSpeculation, StaticK
+from specpilot.decoding.sampling import Sampling
+from specpilot.env import REPLAY_ENV_ID, PlainSpeed, ReplayEnv, SpecDecodeEnv
+from specpilot.env.oracle import CostModel, OracleK, Trace, oracle_schedule, record_trace
 
 
 def hand_cost(k_max=4):
@@ -100,8 +100,8 @@ def test_trace_is_the_plain_output(recorded):
 @pytest.mark.parametrize("kind", ["model", "ngram"])
 def test_replay_env_matches_real_env(recorded, kind):
     target, draft, trace = recorded
-    from decoding.observation import FEATURES
-    from decoding.prompts import Prompt
+    from specpilot.decoding.observation import FEATURES
+    from specpilot.decoding.prompts import Prompt
 
     if kind == "ngram":
         draft = NgramDrafter(2)
@@ -187,7 +187,7 @@ def test_saved_reward_return_is_time_saved(recorded):
 def test_replay_evaluate_reproduces_the_oracle(recorded):
     """Through the noise-free replay env the oracle policy costs exactly the DP's minimum, and no
     other policy beats it."""
-    from env.replay_env import replay_evaluate
+    from specpilot.env.replay_env import replay_evaluate
 
     _, _, trace = recorded
     cost = hand_cost()
@@ -202,10 +202,10 @@ def test_replay_evaluate_reproduces_the_oracle(recorded):
 def test_replay_check_sees_what_the_real_loop_sees(recorded):
     """Policies that ignore timing and hardware choose the same k on the real loop and on its replay;
     a policy reading a feature the replay fakes is caught, and the feature is named."""
-    from bench.replay_check import replay_check
-    from decoding.hardware import HW_FEATURES
-    from decoding.observation import FEATURES
-    from decoding.policies import HeuristicK, LengthPolicy
+    from specpilot.bench.replay_check import replay_check
+    from specpilot.decoding.hardware import HW_FEATURES
+    from specpilot.decoding.observation import FEATURES
+    from specpilot.decoding.policies import HeuristicK, LengthPolicy
 
     target, draft, trace = recorded
     for policy in (StaticK(3), HeuristicK(4)):
@@ -261,7 +261,7 @@ def test_cost_jitter_reprices_each_k_per_episode_and_keeps_the_reward_exact():
 def test_replay_evaluate_prices_each_k_by_a_given_cost_shape():
     """replay_evaluate(shape=...): every step drafting k' tokens costs the profile's price times shape[k'] (a
     brute-force walk of the trace), plain decoding keeps its price; cost_shape draws such factors, 1 at k = 0."""
-    from env.replay_env import cost_shape, replay_evaluate
+    from specpilot.env.replay_env import cost_shape, replay_evaluate
 
     trace, cost = random_trace(random.Random(5), 40), hand_cost()
     shape = np.array([1.0, 1.5, 0.7, 2.0, 1.1])
@@ -289,7 +289,7 @@ def test_hindsight_q_is_the_oracle_and_prices_what_the_replay_env_steps():
     """Q*(i, k): its minimum at position 0 is the oracle's total (and the brute force's); taking k at i and then the
     oracle's choices, stepped in the replay env, costs exactly Q*(i, k) from there; with a budget shorter than the
     trace the row ends at the budget."""
-    from env.oracle import hindsight_q, truncate
+    from specpilot.env.oracle import hindsight_q, truncate
 
     rng = random.Random(7)
     cost = hand_cost()
@@ -336,7 +336,7 @@ def test_sampled_traces_replay_speculative_sampling(tiny_pair, monkeypatch):
     steps static:3 takes in the real loop, over many seeds, have the mean of its replay on sampled traces. A
     verifier that keeps a drafted token only when it is the target's argmax (a greedy check left in the
     sampling path) is caught by the same statistic."""
-    import decoding.loop as loop
+    import specpilot.decoding.loop as loop
 
     target = tiny_target(tiny_pair[0])
     draft = NgramDrafter(2)
@@ -371,9 +371,9 @@ def test_profile_records_sampled_traces_beside_the_greedy_ones(tiny_model_dirs, 
     seeded sampled continuation; the greedy traces stay untouched; a model draft is refused."""
     import json
 
-    from bench.profile_cli import profile_main
-    from decoding.config import run_cli
-    from decoding.models import load_target
+    from specpilot.bench.profile_cli import profile_main
+    from specpilot.decoding.config import run_cli
+    from specpilot.decoding.models import load_target
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": f"q{i}", "category": "c", "split": "train",
@@ -397,8 +397,8 @@ def test_step_cost_check_prices_each_real_step_and_names_the_k_the_profile_under
     """Real seconds twice the profile's price on plain steps and three times on k = 2 steps, at several
     context lengths: relative to the plain steps k = 2 runs 1.5x its price, and the whole run's factor is
     the brute-force sum's."""
-    from bench.replay_check import step_cost_check
-    from decoding.loop import StepResult
+    from specpilot.bench.replay_check import step_cost_check
+    from specpilot.decoding.loop import StepResult
 
     cost = hand_cost()
     plan = [(0, 64, 2.0), (2, 64, 3.0), (0, 900, 2.0), (2, 900, 3.0), (2, 300, 3.0), (1, 500, 2.0)]

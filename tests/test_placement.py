@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import perturbed_copy, plain_greedy, tiny_llama, tiny_target
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
-from decoding.loop import generate
-from decoding.policies import StaticK
-from decoding.sampling import Sampling
+from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
+from specpilot.decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
+from specpilot.decoding.loop import generate
+from specpilot.decoding.policies import StaticK
+from specpilot.decoding.sampling import Sampling
 
 PROMPTS = [[5, 9, 13, 2, 7, 5, 9], [1, 2, 3, 1, 2]]
 
@@ -57,9 +57,9 @@ def test_decode_loop_makes_no_tensor_without_a_device(models, kind, batch, greed
 
 
 def test_env_step_observation_and_profiler_make_no_tensor_without_a_device(models):
-    from env import PlainSpeed, SpecDecodeEnv
-    from env.profile import profile_costs
-    from decoding.prompts import Prompt
+    from specpilot.env import PlainSpeed, SpecDecodeEnv
+    from specpilot.env.profile import profile_costs
+    from specpilot.decoding.prompts import Prompt
 
     target, draft_model = models
     env = SpecDecodeEnv(tiny_target(target), NgramDrafter(3), [Prompt("q", "c", "x")], k_max=4, max_new_tokens=8,

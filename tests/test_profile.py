@@ -3,22 +3,22 @@ from __future__ import annotations
 
 import json
 
-from conftest import tiny_llama
+from conftest import CPU_KEY, tiny_llama
 
 
 def test_profile_random_init_shapes(tmp_path, capsys):
-    from bench.profile_cli import profile_main
+    from specpilot.bench.profile_cli import profile_main
 
     shape = tmp_path / "shape"
     tiny_llama(vocab=300, window=4096, dtype=__import__("torch").float32).config.save_pretrained(shape)
     assert profile_main(["--device", "cpu", "--target-config", str(shape), "--draft-config", str(shape), "--k-max", "3",
                          "--context-lens", "16,128", "--repeats", "2", "--batch-sizes", "1,3", "--no-progress",
                          "--out", str(tmp_path / "p")]) == 0
-    profile = json.loads((tmp_path / "p" / "cpu.json").read_text())
+    profile = json.loads((tmp_path / "p" / f"{CPU_KEY}.json").read_text())
     assert profile["shapes"] == {"target": str(shape), "draft": str(shape)}
     assert profile["context_lens"] == [16, 128] and len(profile["verify_s"][1]) == 4
     assert all(s > 0 for row in profile["verify_s"] for s in row) and all(d > 0 for d in profile["draft_s_per_token"])
-    assert (tmp_path / "p" / "cpu.png").stat().st_size > 1000
+    assert (tmp_path / "p" / f"{CPU_KEY}.png").stat().st_size > 1000
     # batch sizes: a batch of 3 rows verifying k tokens each, and the draft LM's batched cost
     assert profile["batch_sizes"] == [1, 3] and len(profile["batch_verify_s"]) == 2
     assert len(profile["batch_verify_s"][1]) == 4 and all(d > 0 for d in profile["batch_draft_s_per_token"])
@@ -31,16 +31,16 @@ def test_profile_grid_is_what_the_cost_model_reads(tmp_path, capsys):
     cell, not from the one-row context curve scaled by batch."""
     import numpy as np
 
-    from bench.profile_cli import profile_main
-    from decoding.config import run_cli
-    from env.oracle import CostModel
+    from specpilot.bench.profile_cli import profile_main
+    from specpilot.decoding.config import run_cli
+    from specpilot.env.oracle import CostModel
 
     shape = tmp_path / "shape"
     tiny_llama(vocab=300, window=4096, dtype=__import__("torch").float32).config.save_pretrained(shape)
     args = ["--device", "cpu", "--target-config", str(shape), "--k-max", "3", "--context-lens", "16,128", "--repeats", "2",
             "--no-progress", "--out", str(tmp_path / "p")]
     assert profile_main(args + ["--batch-sizes", "1,3", "--grid-context-lens", "16,512"]) == 0
-    profile = json.loads((tmp_path / "p" / "cpu.json").read_text())
+    profile = json.loads((tmp_path / "p" / f"{CPU_KEY}.json").read_text())
     grid = profile["grid"]
     assert grid["batch_sizes"] == [1, 3] and grid["context_lens"] == [16, 512] and grid["measured"]
     assert np.asarray(grid["verify_s"]).shape == (2, 2, 4) and np.asarray(grid["draft_s_per_token"]).shape == (2, 2)
@@ -60,9 +60,9 @@ def test_context_fit_recovers_lines_through_noise_and_refits_from_the_medians(tm
     a refit starts from them, so refitting twice is refitting once; --refit --context-fit none restores them."""
     import numpy as np
 
-    from bench.profile_cli import profile_main
-    from decoding.config import run_cli
-    from env.profile import fit_grid_in_context
+    from specpilot.bench.profile_cli import profile_main
+    from specpilot.decoding.config import run_cli
+    from specpilot.env.profile import fit_grid_in_context
 
     contexts = [64, 512, 1024, 2048]
     c = np.asarray(contexts, dtype=float)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from decoding.loop import RowView
-from env.episode import PlainCredit, step_reward
+from specpilot.decoding.loop import RowView
+from specpilot.env.episode import PlainCredit, step_reward
 
 
 @dataclass

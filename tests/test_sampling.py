@@ -5,11 +5,11 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_llama, tiny_target
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.loop import generate
-from decoding.policies import StaticK
-from decoding.sampling import Sampling, probs_from_logits, sample
-from decoding.verify import verify_sampling
+from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
+from specpilot.decoding.loop import generate
+from specpilot.decoding.policies import StaticK
+from specpilot.decoding.sampling import Sampling, probs_from_logits, sample
+from specpilot.decoding.verify import verify_sampling
 
 
 def verify_broken_no_residual(draft_tokens, draft_probs, target_probs, generator):
@@ -170,8 +170,8 @@ def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does
     exact joint law (by enumeration), for sharp target and draft laws at least 0.3 apart in total
     variation; the same runs with the classic bug (resample from p instead of the residual) miss it by
     more than twice the tolerance, so the test has the power to catch it."""
-    import decoding.loop
-    from decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
+    import specpilot.decoding.loop
+    from specpilot.decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
 
     kind, sampling, n_prompts = CASES[case]
     target_model, draft_model = sharp_pair()
@@ -193,7 +193,7 @@ def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does
     q_first = draft.q if draft.q is not None else torch.nn.functional.one_hot(torch.tensor(prompts[0][2]), V_SHARP).double()
     assert total_variation(exacts[0].sum(1), q_first) >= 0.3  # sharp and different: rejections and residuals matter
     assert 0 < accepted < n * 2 * len(prompts)  # both accept and reject paths ran
-    monkeypatch.setattr(decoding.loop, "verify_sampling", verify_broken_no_residual)
+    monkeypatch.setattr(specpilot.decoding.loop, "verify_sampling", verify_broken_no_residual)
     draft.q = None
     broken, _ = two_token_law(target_model, draft, prompts, sampling, n, seed0=10**6)
     for row, exact in enumerate(exacts):
@@ -206,7 +206,7 @@ def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does
 def test_single_sequence_sampling_follows_the_targets_law(monkeypatch):
     """The same check one sequence at a time (the unbatched path), with fewer runs and so a looser
     tolerance, which the broken verifier still misses by more than twice."""
-    import decoding.loop
+    import specpilot.decoding.loop
 
     target_model, draft_model = sharp_pair()
     sampling, prompt = Sampling(temperature=1.0, top_k=5), [1, 2, 3, 1, 2]
@@ -216,7 +216,7 @@ def test_single_sequence_sampling_follows_the_targets_law(monkeypatch):
     law, accepted = two_token_law(target_model, ModelDrafter(draft_model, "d", V_SHARP), [prompt], sampling, n, rows=1)
     assert 0 < accepted < 2 * n
     assert total_variation(law[0], exact) < tolerance
-    monkeypatch.setattr(decoding.loop, "verify_sampling", verify_broken_no_residual)
+    monkeypatch.setattr(specpilot.decoding.loop, "verify_sampling", verify_broken_no_residual)
     broken, _ = two_token_law(target_model, ModelDrafter(draft_model, "d", V_SHARP), [prompt], sampling, n, rows=1,
                               seed0=10**6)
     assert total_variation(broken[0], exact) > 2 * tolerance

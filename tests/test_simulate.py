@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.batch_table import BatchContextTableK, trtllm_schedule
-from decoding.errors import SpecPilotError
-from env.oracle import CostModel, Trace, oracle_schedule
-from env.replay_env import ReplayEnv
-from env.simulate import CHIPS, Shape, forward_seconds, simulate_profile
+from specpilot.bench.batch_table import BatchContextTableK, trtllm_schedule
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.env.oracle import CostModel, Trace, oracle_schedule
+from specpilot.env.replay_env import ReplayEnv
+from specpilot.env.simulate import CHIPS, Shape, forward_seconds, simulate_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = str(ROOT / "configs" / "llama-3.1-8b")
@@ -86,7 +86,7 @@ def test_context_table_and_its_engine_exports(a100):
 
 
 def test_training_on_a_simulated_profile_needs_allow_simulated(tmp_path, a100):
-    from agents.train_cli import train_main
+    from specpilot.agents.train_cli import train_main
 
     path = tmp_path / "a100-simulated.json"
     path.write_text(json.dumps(a100))

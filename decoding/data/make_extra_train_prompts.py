@@ -1,7 +1,6 @@
 """Writes the extra training prompts of prompts.jsonl (split `train`): 24 long-context prompts of >= 1,500 tokens
-and 200 synthetic prompts (decoding/synth_prompts.py, 25 per category of the original set; 40 until issue 14's
-sixteenth stop, when 160 more were added after `python -m agents.fit_check --extra-traces` scored them on held-out
-train prompts).
+and 200 synthetic prompts (decoding/synth_prompts.py, 25 per category of the original set; the last 160 joined
+after `python -m specpilot.agents.fit_check --extra-traces` scored them on held-out train prompts).
 
 Run `python decoding/data/make_extra_train_prompts.py` (it replaces the lines it wrote before, keeps the others);
 the JSONL is committed. Every prompt here is for training and tuning; the test and ood splits stay as they were. The train split's own prompts are a few hundred tokens, so a policy trained on them alone never saw
@@ -12,10 +11,9 @@ instead, so no passage is shared):
 - long_document_qa: answer questions about a document of numbered sections;
 - retrieval_qa: several retrieved passages with their sources, then a question about one of them;
 - long_multi_turn: a long conversation about library documentation, then a new request.
-Since issue 14's eighth stop also 8 `passage_translation` prompts (a 1,500-4,000 character passage to translate
-into another language; drawn with their own random stream, so the prompts above are unchanged): until then the
-train split's translations were a sentence or two, and the committed policy drafted half as much as the rule
-on the ood split's passage translations.
+Also 8 `passage_translation` prompts (a 1,500-4,000 character passage to translate into another language; drawn
+with their own random stream, so the prompts above are unchanged): without them the train split's translations
+are a sentence or two, and a policy drafted half as much as the rule on the ood split's passage translations.
 """
 import importlib
 import inspect
@@ -26,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from decoding.synth_prompts import STDLIB_MODULES, synthetic_prompts  # noqa: E402
+from specpilot.decoding.synth_prompts import STDLIB_MODULES, synthetic_prompts  # noqa: E402
 
 OUT = Path(__file__).with_name("prompts.jsonl")
 SEED = 20261202

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from decoding.data.make_extra_train_prompts import docstring_paragraphs, draw  # noqa: E402
+from specpilot.decoding.data.make_extra_train_prompts import docstring_paragraphs, draw  # noqa: E402
 
 OUT = Path(__file__).with_name("prompts.jsonl")
 SEED = 20261203
