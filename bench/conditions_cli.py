@@ -24,6 +24,7 @@ from specpilot.env.replay_env import replay_evaluate
 from specpilot.env.simulate import CONDITIONS
 
 from .batch_table import BatchContextTableK, BatchTableK, goodput_table
+from .report import provenance_line, source_commit
 from .simulated_cli import SimulatedReportConfig, best_static, oracle_speedup, split_traces
 
 PINNED = "learned, counters pinned"
@@ -92,9 +93,12 @@ def conditions_main(argv: list[str] | None = None) -> int:
                                         "counters": dict(zip(("hw_sm_clock_ratio", "hw_power_ratio", "hw_gpu_mem_util",
                                                               "hw_gpm_dram_bw_util"), _counters(hardware)))}
         results[device] = {"hardware_name": base["hardware_name"], "policy": relative(folder),
+                           "weights": learned.meta.get("weights"),
                            "trained_conditions": learned.meta.get("condition_profiles", []),
                            "rules": list(rules), "conditions": per_condition}
-    doc = {"simulated": True, "split": cfg.split, "batch_sizes": sizes, "context_lens": contexts,
+    doc = {"provenance": {"commit": source_commit(), "policy_weights": {
+               f"learned ({d})": r["weights"] for d, r in results.items()}},
+           "simulated": True, "split": cfg.split, "batch_sizes": sizes, "context_lens": contexts,
            "conditions": conditions, "max_new_tokens": cfg.max_new_tokens, "draft": cfg.draft, "results": results}
     report = Path(cfg.report)
     atomic_write_text(report.with_suffix(".json"), json.dumps(doc, indent=1))
@@ -140,7 +144,8 @@ def _markdown(doc: dict, png: str, argv) -> str:
              f"The rules are tuned on the train split under `{conds[0]}` only, as an engine's table is; "
              f"`{PINNED}` is the learned policy shown the `{conds[0]}` counters whatever the condition (the ablation); "
              f"`{RETUNED}` is the context table tuned under the condition itself (a reference no deployed rule has).", "",
-             f"Regenerate with: `python scripts/conditions_report.py {' '.join(argv or sys.argv[1:])}`", ""]
+             f"Regenerate with: `python scripts/conditions_report.py {' '.join(argv or sys.argv[1:])}`", "",
+             provenance_line(doc["provenance"]), ""]
     for device, res in doc["results"].items():
         lines += [f"## {res['hardware_name']}", "", f"Policy `{res['policy']}`, trained under: "
                   + (", ".join(f"`{p}`" for p in res["trained_conditions"]) or "its profile only") + ".", "",

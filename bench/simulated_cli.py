@@ -23,6 +23,7 @@ from specpilot.env.oracle import (
 from specpilot.env.replay_env import replay_evaluate
 
 from .batch_table import BatchContextTableK, BatchTableK, goodput_table
+from .report import provenance_line, source_commit
 
 
 @dataclass
@@ -112,9 +113,12 @@ def simulated_main(argv: list[str] | None = None) -> int:
                 print(f"{device} B={b:<4} context {c:<6} " + " ".join(f"{n} {v:.3f}" for n, v in cell.items()
                                                                            if n != "best_k_table"), file=sys.stderr)
         results[device] = {"profile": relative(path), "hardware_name": profile["hardware_name"], "cells": cells,
+                           **({"weights": policies["learned"].meta.get("weights")} if "learned" in policies else {}),
                            "policies": list(policies), "batch_table": policies["batch-table"].table,
                            "context_table": {f"{b}x{c}": k for (b, c), k in policies["batch-context-table"].table.items()}}
-    doc = {"simulated": True, "split": cfg.split, "batch_sizes": sizes, "context_lens": contexts,
+    doc = {"provenance": {"commit": source_commit(), "policy_weights": {
+               f"learned ({d})": r.get("weights") for d, r in results.items() if "weights" in r}},
+           "simulated": True, "split": cfg.split, "batch_sizes": sizes, "context_lens": contexts,
            "max_new_tokens": cfg.max_new_tokens, "draft": cfg.draft, "results": results}
     report = Path(cfg.report)
     atomic_write_text(report.with_suffix(".json"), json.dumps(doc, indent=1))
@@ -131,6 +135,7 @@ def _markdown(doc: dict, png: str, argv) -> str:
              "(`env/simulate.py`, `scripts/profile_device.py --simulate`), acceptance from the embedded pair's n-gram "
              f"traces recorded on the CPU ({doc['split']} split; the tables and the learned policy saw the train split). "
              "Noise-free replay; speedup over plain decoding in each cell; each row's context starts at the cell's length.", "",
+             provenance_line(doc["provenance"]), "",
              f"Regenerate with: `python scripts/simulated_report.py {' '.join(argv or sys.argv[1:])}`", ""]
     for device, res in doc["results"].items():
         lines += [f"## {res['hardware_name']}", "",

@@ -86,7 +86,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     text = target.decode(result.token_ids)
     if cfg.json:
         print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": result.stats.as_dict(),
-                          "policy": policy.name, "draft": getattr(draft, "name", None), "target": target.name}))
+                          "policy": policy.name, "policy_file": getattr(policy, "path", None) or None,
+                          "draft": getattr(draft, "name", None), "target": target.name}))
     else:
         print(text)
         s = result.stats

@@ -540,6 +540,11 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
     assert "B=3" in out and "(paired)" in out and (tmp_path / "reports" / "batch.png").exists()
     assert "within each of the 2 repeats" in (tmp_path / "reports" / "batch.md").read_text()
     assert "new tokens per row; greedy;" in (tmp_path / "reports" / "batch.md").read_text()
+    # the report says what it scored: the commit and the learned policy's weights (its hash is its identity)
+    prov = json.loads((tmp_path / "reports" / "batch.json").read_text())["provenance"]
+    weights = json.loads((policy_dir(trained) / "policy.json").read_text())["weights"]
+    assert list(prov["policy_weights"].values()) == [weights] and prov["commit"]
+    assert f"= {weights.removesuffix('.safetensors')}" in (tmp_path / "reports" / "batch.md").read_text().splitlines()[2]
     code = benchmark_main(["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--prompts", str(prompts),
                            "--policies", "none,static:2", "--k-max", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2",
                            "--temperature", "1.0", "--out", str(tmp_path / "sampled"),
