@@ -107,15 +107,44 @@ def trained(tiny_model_dirs, tmp_path_factory):
     return out
 
 
-def test_ppo_run_exports_a_policy_that_decodes_losslessly(trained, tiny_env_parts):
+def test_ppo_run_exports_a_policy_the_loop_runs_as_sb3_decides_and_losslessly(trained, tiny_env_parts):
+    """The exported policy, run inside `generate`, takes at every step the k that the trained SB3 agent takes on that
+    step's observation (clipped into the trained range, as LearnedK does), and it does draft: so the token identity
+    with plain decoding is shown for the PPO policy's own choices, not for a policy that never speculates."""
+    import pickle
+
+    from stable_baselines3 import PPO
+
     meta = json.loads((policy_dir(trained) / "policy.json").read_text())
     assert meta["features"] == list(FEATURES) and meta["device"] == CPU_KEY and meta["k_max"] == 4
     assert meta["training_steps"] == 96
     policy = LearnedK.load(policy_dir(trained) / "policy.json")
+    run = policy_dir(trained) / "run"
+    model = PPO.load(str(run / "final_model.zip"), device="cpu")
+    with open(run / "final_vecnormalize.pkl", "rb") as f:
+        norm = pickle.load(f)
+
+    seen: list = []  # (observation, k) of every decision the loop asked for
+    decide = policy.choose_k
+
+    def recording(obs):
+        seen.append((np.array(obs, dtype=np.float32), decide(obs)))
+        return seen[-1][1]
+
+    policy.choose_k = recording
     target, draft, _ = tiny_env_parts
-    prompt = target.encode("reverse a string", chat=True)
-    plain = generate(target, None, NoSpeculation(), prompt, 20)
-    assert generate(target, draft, policy, prompt, 20).token_ids == plain.token_ids
+    total_drafted = 0
+    for text in ("reverse a string", "one two three one two three one two"):
+        prompt = target.encode(text, chat=True)
+        plain = generate(target, None, NoSpeculation(), prompt, 20)
+        out = generate(target, draft, policy, prompt, 20)
+        assert out.token_ids == plain.token_ids
+        total_drafted += sum(s.k for s in out.steps)
+    lo, hi, _ = policy.input_bounds()
+    obs = np.clip(np.stack([o for o, _ in seen]), lo, hi).astype(np.float32)
+    actions, _ = model.predict(norm.normalize_obs(obs), deterministic=True)
+    assert [k for _, k in seen] == [policy.action_to_k[int(a)] for a in actions]
+    assert total_drafted > 0, "the trained policy never drafted: the lossless check would hold for any k"
 
 
 def test_export_round_trip_matches_sb3(trained):

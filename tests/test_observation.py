@@ -1,6 +1,7 @@
 """The one observation builder and the background hardware monitor."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -15,15 +16,34 @@ from specpilot.decoding.observation import FEATURES, HISTORY, ObservationBuilder
 from specpilot.decoding.policies import parse_policy
 
 
-def test_monitor_samples_in_background_and_never_nan():
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_monitor_samples_in_background_and_reads_a_busy_cpu():
+    """The CPU monitor polls in its own thread, never reads NaN, and its utilisation counter sees a load: with every
+    core spinning in other processes it reads >= 0.8 (the GPU counters of a CPU monitor are checked against a fake
+    NVML in tests/test_devices.py)."""
+    import multiprocessing
+
     with HardwareMonitor("cpu", interval_s=0.02) as monitor:
         first = monitor.samples
         time.sleep(0.2)
         assert monitor.samples > first + 3
         values = monitor.read()
-    assert values.shape == (len(HW_FEATURES),) and np.isfinite(values).all()
-    assert values[HW_FEATURES.index("hw_cpu_available")] == 1.0
-    assert values[HW_FEATURES.index("hw_is_gpu")] == 0.0  # this CI machine has no GPU
+        assert values.shape == (len(HW_FEATURES),) and np.isfinite(values).all()
+        assert values[HW_FEATURES.index("hw_cpu_available")] == 1.0
+        spinners = [multiprocessing.get_context("fork").Process(target=_spin, args=(1.5,)) for _ in range(os.cpu_count() or 1)]
+        for s in spinners:
+            s.start()
+        time.sleep(0.7)  # the polls after the spinners started
+        busy = monitor.read()
+        for s in spinners:
+            s.join()
+    assert busy[HW_FEATURES.index("hw_cpu_util")] >= 0.8, busy[HW_FEATURES.index("hw_cpu_util")]
+    assert np.isfinite(busy).all()
 
 
 def test_device_names():
