@@ -42,6 +42,10 @@ FEATURES = HW_FEATURES + COST_FEATURES + ACCEPT_FEATURES + CONTEXT_FEATURES
 EMA = 0.3
 REPETITION_WINDOW = 128
 LOG_CAP = math.log1p(MATCH_CAP)
+_AT = {name: i for i, name in enumerate(FEATURES)}
+"""Each feature's position in the vector: `build` writes every feature by its name."""
+_HW = slice(_AT[HW_FEATURES[0]], _AT[HW_FEATURES[-1]] + 1)
+_HISTORY = slice(_AT["accept_ratio_1"], _AT[f"accept_ratio_{HISTORY}"] + 1)
 
 
 class ObservationBuilder:
@@ -54,8 +58,6 @@ class ObservationBuilder:
         self._monitor = monitor
         self._device = device
         self._vec = np.zeros(len(FEATURES), dtype=np.float32)
-        self._hw = slice(0, len(HW_FEATURES))
-        self._base = len(HW_FEATURES)
         self.reset()
 
     def reset(self, state=None) -> None:
@@ -106,37 +108,34 @@ class ObservationBuilder:
                     self._tails[key] = (length + len(new), np.concatenate([window, np.asarray(new, dtype=np.int64)])[-REPETITION_WINDOW:])
 
     def build(self, state) -> np.ndarray:
-        """The observation before the next step of `state` (a copy, safe to keep)."""
-        v = self._vec
-        v[self._hw] = self._monitor.read() if self._monitor is not None else 0.0
-        i = self._base
+        """The observation before the next step of `state` (a copy, safe to keep), filled feature by feature by name."""
+        v, at = self._vec, _AT
+        v[_HW] = self._monitor.read() if self._monitor is not None else 0.0
         draft_ms, verify_ms, plain_ms = (0.0 if math.isnan(x) else x for x in (self.draft_ms, self.verify_ms, self.plain_ms))
-        v[i] = math.log1p(draft_ms)
-        v[i + 1] = math.log1p(verify_ms)
-        v[i + 2] = math.log1p(plain_ms)
-        v[i + 3] = draft_ms / verify_ms if verify_ms > 0 else 0.0
-        i += len(COST_FEATURES)
+        v[at["draft_ms_per_token_log"]] = math.log1p(draft_ms)
+        v[at["verify_ms_per_token_log"]] = math.log1p(verify_ms)
+        v[at["plain_ms_log"]] = math.log1p(plain_ms)
+        v[at["draft_verify_cost_ratio"]] = draft_ms / verify_ms if verify_ms > 0 else 0.0
+        # the last HISTORY accepted / k ratios, oldest first, right-aligned (zeros before a sequence has them)
         n = len(self.ratios)
-        v[i : i + HISTORY] = 0.0
+        v[_HISTORY] = 0.0
         if n:
-            v[i + HISTORY - n : i + HISTORY] = self.ratios
-        i += HISTORY
-        v[i] = n / HISTORY
-        v[i + 1] = self.accept_ema
-        v[i + 2] = self.last_k / self.k_max
-        v[i + 3] = self.last_accepted / self.k_max
-        i += 4
+            v[_HISTORY.stop - n : _HISTORY.stop] = self.ratios
+        v[at["accept_history_len"]] = n / HISTORY
+        v[at["accept_rate_ema"]] = self.accept_ema
+        v[at["last_k_frac"]] = self.last_k / self.k_max
+        v[at["last_accepted_frac"]] = self.last_accepted / self.k_max
         self._keys = []
         # a batch is described by the mean over its active rows (one sequence: that sequence)
         # the rows' own ids: a batch's last running row need not be row 0 (after the last step: every row)
         ids = list(state.active) or list(range(len(state.rows)))
         rows = [state.rows[i] for i in ids]
         n = len(rows)
-        v[i] = sum(math.log1p(r.context_len) for r in rows) / n
-        v[i + 1] = sum(r.remaining / r.max_new_tokens for r in rows) / n
-        v[i + 2] = self.confidence_last
-        v[i + 3] = self.confidence_min
-        v[i + 4] = self.entropy_last
+        v[at["context_len_log"]] = sum(math.log1p(r.context_len) for r in rows) / n
+        v[at["remaining_frac"]] = sum(r.remaining / r.max_new_tokens for r in rows) / n
+        v[at["draft_confidence_last"]] = self.confidence_last
+        v[at["draft_confidence_min"]] = self.confidence_min
+        v[at["draft_entropy_last"]] = self.entropy_last
         # what the drafter could propose right now (prompt lookup: the current n-gram match), else last step's
         # a batch lasts as long as its row with the most tokens left: what that row can draft decides
         # whether a step saves time (behind_available_frac), and how far behind it is (remaining_spread)
@@ -146,25 +145,25 @@ class ObservationBuilder:
         peek = getattr(getattr(state, "draft", None), "peek", None)
         if peek is not None:
             peeks = [peek(r.context, self.k_max, row) for r, row in zip(rows, ids)]
-            v[i + 5] = sum(m for m, _ in peeks) / n
-            v[i + 6] = sum(a for _, a in peeks) / n / self.k_max
-            v[i + 9] = sum(peeks[j][1] for j in behind) / len(behind) / self.k_max
+            v[at["ngram_match_len"]] = sum(m for m, _ in peeks) / n
+            v[at["draft_available_frac"]] = sum(a for _, a in peeks) / n / self.k_max
+            v[at["behind_available_frac"]] = sum(peeks[j][1] for j in behind) / len(behind) / self.k_max
         else:
-            v[i + 5], v[i + 6], v[i + 9] = self.match_len, 1.0, 1.0
-        v[i + 7] = sum(repetition_rate(self._tail(r)) for r in rows) / n
-        v[i + 8] = math.log(n)
-        v[i + 10] = (most - sum(remaining) / n) / rows[0].max_new_tokens
+            v[at["ngram_match_len"]] = self.match_len
+            v[at["draft_available_frac"]] = v[at["behind_available_frac"]] = 1.0
+        v[at["repetition_rate"]] = sum(repetition_rate(self._tail(r)) for r in rows) / n
+        v[at["batch_size_log"]] = math.log(n)
+        v[at["remaining_spread"]] = (most - sum(remaining) / n) / rows[0].max_new_tokens
         # how far the current match is to be trusted (prompt lookup): bounded, whatever the context's length
         stats = getattr(getattr(state, "draft", None), "match_stats", None)
         if stats is not None:
             found = [stats(r.context, row) for r, row in zip(rows, ids)]
-            v[i + 11] = sum(math.log1p(s) for s, _, _ in found) / n / LOG_CAP
-            v[i + 12] = sum(math.log1p(o) for _, o, _ in found) / n / LOG_CAP
-            v[i + 13] = sum(a for _, _, a in found) / n
+            v[at["ngram_suffix_log"]] = sum(math.log1p(s) for s, _, _ in found) / n / LOG_CAP
+            v[at["ngram_occurrences_log"]] = sum(math.log1p(o) for _, o, _ in found) / n / LOG_CAP
+            v[at["ngram_agreement"]] = sum(a for _, _, a in found) / n
         else:
-            v[i + 11 : i + 14] = 0.0
+            v[at["ngram_suffix_log"]] = v[at["ngram_occurrences_log"]] = v[at["ngram_agreement"]] = 0.0
         return v.copy()
-
 
     def _tail(self, row) -> np.ndarray:
         """The row's last REPETITION_WINDOW tokens from the host copy; read from the device only when the copy
