@@ -51,9 +51,13 @@ class TrainConfig:
     device: str = "auto"
     """Device: auto | cpu | cuda[:N] | a device key such as h100 (the first visible GPU of that kind; must be present)."""
     timesteps: int = 0
-    """Total PPO env steps of the run, split over its phases (replay warm-up, replay, real loop) in the
-    proportions of agents/hyperparams.yaml (all to the last phase where the YAML gives none); 0 = the
-    YAML's own steps. The run prints its plan first and never runs more than asked."""
+    """PPO env steps of the run, and nothing else: split over its PPO phases (replay warm-up, replay, real loop) in
+    the proportions of agents/hyperparams.yaml (all to the last where the YAML gives none); 0 = the YAML's own steps. The rule
+    tuning and the warm start are not PPO steps (see --quick). The run prints its plan first and never runs more
+    PPO steps than asked."""
+    quick: bool = False
+    """A quick try of the whole chain in about a minute: one seed, batch sizes 1-2, one short warm-start round,
+    rules tuned on a few traces, two test prompts; written under runs/quick (or --out), never over a policy."""
     replay_timesteps: int = -1
     """Steps of the replay phase, taken out of --timesteps (-1 = its share of it, or the YAML's)."""
     warmup_timesteps: int = -1
@@ -117,6 +121,71 @@ class TrainConfig:
     (each process loads the target on its GPU), or on the CPU N envs sharing this process's model."""
 
 
+QUICK_HP = {"rollout_rounds": 1, "rollout_epochs": 20, "rollout_workers": 1, "n_steps": 64, "batch_size": 32,
+            "n_epochs": 2, "checkpoint_every": 64, "replay_checkpoint_every": 64, "replay_warmup_timesteps": 0}
+"""What --quick sets over the YAML: one round of a short fit, small PPO rollouts (with --timesteps)."""
+QUICK_EPISODES, QUICK_TRACES, QUICK_BATCH_SIZES = 4, 24, [1, 2]
+
+
+@dataclass
+class ReplayData:
+    """What the replay env, the rule tuning, the warm start and the deferral read: loaded once per run."""
+
+    traces: list
+    """The train split's acceptance traces (never the test split's), as recorded: the replay env's."""
+    budget_traces: list
+    """The same cut to the episode budget: what the rule tuning, the warm start and the deferral score."""
+    cost: CostModel
+    profile: dict
+    profile_file: Path
+    hardware: np.ndarray
+    """The counters as recorded with the profile (else read live now)."""
+    conditions: list[MachineCondition]
+    """The machine conditions of --condition-profiles, after the profile's own ([] without them)."""
+
+
+@dataclass
+class Run:
+    """One training run, resolved once from its config: device, hyperparameters, prompts, models, folders."""
+
+    cfg: TrainConfig
+    device_key: str
+    hardware_name: str
+    torch_device: str
+    simulated: dict | None
+    """The --profile when it is a simulated one (replay only, the models on the CPU), else None."""
+    hp: dict
+    seeds: list[int]
+    batch_sizes: list[int]
+    real_batch_sizes: list[int]
+    train_prompts: list
+    test_prompts: list
+    target: object
+    draft: object
+    real_prompts: list
+    """The train prompts that fit the target's window with an episode's budget to spare."""
+    mode: str
+    """real | replay | both."""
+    out: Path
+    """OUT/DEVICE/DRAFT: the policy, its rules and its run/ folder."""
+    loads: list[str]
+    replay: ReplayData | None = None
+    rule: object = None
+    """The best engine rule per batch size tuned on the train split (`best_rule_phase`), once tuned or read."""
+
+    @property
+    def k_max(self) -> int:
+        return int(self.hp["k_max"])
+
+    @property
+    def budget(self) -> int:
+        return int(self.hp["max_new_tokens"])
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / "run"
+
+
 def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
     return (Path(cfg.profile) if cfg.profile else profile_path(device_key, draft_name),
             Path(cfg.traces) if cfg.traces else traces_path(draft_name))
@@ -147,27 +216,13 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
     return "both" if profile.exists() and traces.exists() else "real"
 
 
-def _replay_data(cfg: TrainConfig, device_key: str, draft_name: str, train_ids: set[str], torch_device: str):
-    """(train-split traces, cost model, hardware counters, profile, profile path) for the replay env."""
-    profile_file, traces_file = _default_paths(cfg, device_key, draft_name)
-    profile = load_profile(profile_file, device_key)
-    traces, _ = load_draft_traces(traces_file, draft_name)
-    traces = [t for t in traces if t.question_id in train_ids]  # never pre-train on the test split
-    if not traces:
-        raise SpecPilotError(f"traces {traces_file} hold none of the training prompts")
-    # hardware counters as seen while decoding on this device (recorded with the profile, else live now)
-    hardware = profile.get("hardware")
-    if hardware is None:
-        hardware = shared_monitor(torch_device).read().tolist()
-    return traces, CostModel.from_profile(profile), np.asarray(hardware, dtype=np.float32), profile, profile_file
-
-
 def machine_conditions(cfg: TrainConfig, device_key: str, cost: CostModel, hardware: np.ndarray,
-                profile: dict) -> list[MachineCondition]:
+                       profile: dict) -> list[MachineCondition]:
     """The machine conditions of --condition-profiles, after the --profile one ([] without them)."""
     paths = [p.strip() for p in cfg.condition_profiles.split(",") if p.strip()]
     if not paths:
         return []
+
     def name(prof: dict, default: str) -> str:
         return (prof.get("condition") or {}).get("name") or prof.get("background_load") or default
 
@@ -184,65 +239,6 @@ def machine_conditions(cfg: TrainConfig, device_key: str, cost: CostModel, hardw
     if len(set(names)) != len(names):
         raise SpecPilotError(f"--condition-profiles: two profiles share a condition name ({', '.join(names)})")
     return conditions
-
-
-def _replay_env_fn(cfg: TrainConfig, device_key: str, draft_name: str, k_max: int, train_ids: set[str],
-                   max_new_tokens: int, torch_device: str, reward: str, batch_sizes: list[int] = (1,),
-                   speed_jitter: float = 1.0, context_lens: list[int] = (), cost_jitter: float = 0.0):
-    traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
-    conditions = machine_conditions(cfg, device_key, cost, hardware, profile)
-    return lambda: ReplayEnv(traces, cost, k_max=k_max, noise=float(profile.get("noise", 0.05)), hardware=hardware,
-                             max_new_tokens=max_new_tokens, reward=reward, batch_sizes=batch_sizes,
-                             speed_jitter=speed_jitter, context_lens=context_lens, conditions=conditions,
-                             hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=cost_jitter)
-
-
-def _best_rule(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
-               batch_sizes: list[int], out: Path):
-    """(best-rule policy, train traces, cost model, hardware counters): the best engine rule per batch size
-    as tuned on the train split (OUT/rules.json; tuned first when it does not exist yet)."""
-    traces, cost, hardware, profile, profile_file = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
-    k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
-    traces = [truncate(t, budget) for t in traces]
-    rules_path = out / "rules.json"
-    if rules_path.exists():
-        rules = read_json_file(rules_path, "tuned rules", keys=("best_rule",))
-    else:
-        print(f"specpilot: tuning the engine rules on the train split first ({rules_path})", file=sys.stderr)
-        rules = tune_rules(traces, profile, draft_name, k_max, hardware, batch_sizes, budget, cfg.progress)
-        rules = {"device": device_key, "draft": draft_name, "split": "train", "traces": len(traces),
-                 "profile": relative(profile_file), "max_new_tokens": budget, "k_max": k_max, **rules}
-        atomic_write_text(rules_path, json.dumps(rules, indent=1) + "\n")
-    return rules_policy(rules["best_rule"], profile, traces, k_max, draft_name), traces, cost, hardware
-
-
-def _warm_start(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, train_ids: set[str], torch_device: str,
-                batch_sizes: list[int], out: Path, seed: int):
-    """Rollout policy improvement from the best engine rule tuned on the train split (agents.improve, with this
-    seed): (layers, normalisation) for PPO to start from, and its history."""
-    k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
-    contexts = [int(c) for c in hp.get("context_lens") or []]
-    traces, cost, hardware, profile, _ = _replay_data(cfg, device_key, draft_name, train_ids, torch_device)
-    conditions = machine_conditions(cfg, device_key, cost, hardware, profile)
-    if hp.get("warm_start_base", "best-rule") == "batch-context-table":  # from the profile: no rule tuning
-        traces = [truncate(t, budget) for t in traces]
-        base = BatchContextTableK.from_profile(profile, traces, k_max, contexts or [profile["context_lens"][0]])
-        what = f"the batch x context table from the profile ({len(base.table)} cells)"
-    else:
-        base, traces, cost, hardware = _best_rule(cfg, hp, device_key, draft_name, train_ids, torch_device, batch_sizes, out)
-        what = f"the best tuned rule ({', '.join(f'B={b} {s}' for b, s in base.table.items())})"
-    episodes = rollout_episodes(hp, batch_sizes)
-    labels = str(hp.get("warm_start_labels") or "rollout")
-    print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from {what}"
-          + (" (one-row states labelled by the oracle's hindsight Q*)" if labels == "oracle" else ""), file=sys.stderr)
-    layers, norm, history = improve_policy(
-        base, traces, cost, k_max, hardware, batch_sizes, episodes, budget, int(hp["rollout_rounds"]),
-        list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]), seed=seed, progress=cfg.progress,
-        log=lambda m: print(f"specpilot: {m}", file=sys.stderr), context_lens=contexts, conditions=conditions,
-        hardware_noise=cfg.hardware_noise if conditions else 0.0, cost_jitter=float(hp.get("replay_cost_jitter") or 0.0),
-        workers=int(hp.get("rollout_workers") or 0), labels=labels,
-        batch_weights={int(b): float(w) for b, w in (hp.get("rollout_batch_weights") or {}).items()})
-    return (layers, norm), history
 
 
 def rollout_episodes(hp: dict, batch_sizes: list[int]) -> dict[int, int]:
@@ -313,9 +309,22 @@ def plan_steps(cfg: TrainConfig, hp: dict, mode: str) -> dict[str, int]:
     return steps
 
 
-def train_main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
-    started = time.perf_counter()
+def _quick(cfg: TrainConfig, hp: dict) -> None:
+    """--quick: the whole chain at a toy size (about a minute on 2 cores): one seed, batch sizes 1 and 2, one short
+    round of the warm start on a few episodes, rules tuned on a few traces, a two-prompt evaluation of 16 tokens."""
+    hp.update(QUICK_HP)
+    hp["seeds"] = [int((hp.get("seeds") or [0])[0])]
+    hp["batch_sizes"] = [b for b in hp.get("batch_sizes") or [1] if b in QUICK_BATCH_SIZES] or [1]
+    hp["real_batch_sizes"] = [1]
+    hp["rollout_episodes"] = {b: QUICK_EPISODES for b in hp["batch_sizes"]}
+    cfg.eval_max_new_tokens = min(cfg.eval_max_new_tokens, 16)
+
+
+# --- the phases of a run, in order; each a function of what the ones before it made ---------------------------
+
+
+def resolve_run(cfg: TrainConfig) -> Run:
+    """Phase 1: the device, the hyperparameters (YAML, --hp, --quick), the prompts, the models, the output folder."""
     simulated = _simulated_profile(cfg)
     if simulated is not None:  # a chip that need not be here: replay only, the models stay on the CPU
         device_key, hardware_name, torch_device = simulated["device"], simulated["hardware_name"], "cpu"
@@ -326,187 +335,296 @@ def train_main(argv: list[str] | None = None) -> int:
         device = resolve(cfg.device)
         device_key, hardware_name, torch_device = device.key, device.name, device.torch
     hp = load_hyperparams(device_key, cfg.hp)
-    seeds = train_seeds(cfg, hp)
-    hp.pop("seeds", None)  # each member records its own seed
-    k_max = int(hp["k_max"])
     if cfg.batch_sizes:
         hp["batch_sizes"] = parse_ints(cfg.batch_sizes, "--batch-sizes")
+    if cfg.quick:
+        _quick(cfg, hp)
+    seeds = train_seeds(cfg, hp)
+    hp.pop("seeds", None)  # each member records its own seed
     batch_sizes = [int(b) for b in hp.get("batch_sizes") or [1]]
-    real_batch_sizes = [int(b) for b in hp.get("real_batch_sizes") or batch_sizes]
+    at_least(1, n_envs=cfg.n_envs)
+    loads = [x.strip() for x in cfg.background_load.split(",") if x.strip()]
+    if loads != ["none"] and cfg.env == "replay":
+        raise SpecPilotError("--background-load runs beside the real loop; --env replay has none (use --condition-profiles)")
     train_prompts = load_prompts(cfg.prompts, "train")
     test_prompts = load_prompts(cfg.prompts, "test") if cfg.eval_per_category else []
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
-    real_prompts = fitting_prompts(target, train_prompts, int(hp["max_new_tokens"]) + k_max + 1)
-    out = policy_dir(device_key, draft.name, cfg.out or output_dir("policies"))
-    run_dir = out / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    speed_path = run_dir / "plain_speed.json"
-    if cfg.env == "replay":  # only the real-loop env needs the measured plain speed
-        plain_speed = None
-    elif cfg.resume and speed_path.exists():
-        plain_speed = PlainSpeed.load(speed_path)
-    else:
-        plain_speed = measure_plain_speed(target, target.encode(real_prompts[0].text, chat=True),
-                                          batch_sizes=real_batch_sizes)
-        plain_speed.save(speed_path)
-
-    at_least(1, n_envs=cfg.n_envs)
-    loads = [x.strip() for x in cfg.background_load.split(",") if x.strip()]
-    if loads != ["none"] and cfg.env == "replay":
-        raise SpecPilotError("--background-load runs beside the real loop; --env replay has none (use --condition-profiles)")
-
-    def env_fn():
-        return SpecDecodeEnv(target, draft, real_prompts, k_max=k_max, max_new_tokens=int(hp["max_new_tokens"]),
-                             plain_speed=plain_speed, reward=str(hp["reward"]), batch_sizes=real_batch_sizes,
-                             loads=loads)
-
-    def real_env_fns() -> EnvFns:
-        gpus = gpu_names() if torch_device.startswith("cuda") else []
-        if cfg.n_envs == 1 or not gpus:  # one process: the envs share the model loaded above
-            return EnvFns([env_fn] * cfg.n_envs)
-
-        def on_gpu(index: int):
-            def make():  # runs in the env's own process: its own copy of the models on its own GPU
-                own = load_target(cfg.target, cfg.dtype, f"cuda:{index}")
-                return SpecDecodeEnv(own, load_draft(cfg.draft, own, cfg.dtype), real_prompts, k_max=k_max,
-                                     max_new_tokens=int(hp["max_new_tokens"]), plain_speed=plain_speed,
-                                     reward=str(hp["reward"]), batch_sizes=real_batch_sizes, loads=loads)
-            return make
-
-        return EnvFns([on_gpu(i % len(gpus)) for i in range(cfg.n_envs)], subprocess=True)
-
-    phases = []
     mode = _env_mode(cfg, device_key, draft.name)
-    budget = plan_steps(cfg, hp, mode)
-    if mode in ("replay", "both"):
-        def replay_env_fn(sizes: list[int]):
-            one = _replay_env_fn(cfg, device_key, draft.name, k_max, {p.question_id for p in train_prompts},
-                                 int(hp["max_new_tokens"]), torch_device, str(hp["reward"]), sizes,
-                                 float(hp["replay_speed_jitter"]), [int(c) for c in hp.get("context_lens") or []],
-                                 float(hp.get("replay_cost_jitter") or 0.0))
-            return EnvFns([one] * cfg.n_envs, subprocess=True)
+    k_max = int(hp["k_max"])
+    real_prompts = fitting_prompts(target, train_prompts, int(hp["max_new_tokens"]) + k_max + 1)
+    root = cfg.out or (output_dir("policies").parent / "runs" / "quick" if cfg.quick else output_dir("policies"))
+    out = policy_dir(device_key, draft.name, root)
+    (out / "run").mkdir(parents=True, exist_ok=True)
+    return Run(cfg, device_key, hardware_name, torch_device, simulated, hp, seeds, batch_sizes,
+               [int(b) for b in hp.get("real_batch_sizes") or batch_sizes], train_prompts, test_prompts, target, draft,
+               real_prompts, mode, out, loads)
 
-        replay_fn = replay_env_fn(batch_sizes)
+
+def load_replay_data(run: Run) -> ReplayData:
+    """Phase 2 (replay modes): the cost profile, the train split's traces and the machine conditions, read once."""
+    profile_file, traces_file = _default_paths(run.cfg, run.device_key, run.draft.name)
+    profile = load_profile(profile_file, run.device_key)
+    traces, _ = load_draft_traces(traces_file, run.draft.name)
+    train_ids = {p.question_id for p in run.train_prompts}
+    traces = [t for t in traces if t.question_id in train_ids]  # never the test split
+    if not traces:
+        raise SpecPilotError(f"traces {traces_file} hold none of the training prompts")
+    hardware = profile.get("hardware")
+    if hardware is None:  # the counters as seen while decoding on this device: recorded with the profile, else live
+        hardware = shared_monitor(run.torch_device).read().tolist()
+    hardware = np.asarray(hardware, dtype=np.float32)
+    cost = CostModel.from_profile(profile)
+    return ReplayData(traces, [truncate(t, run.budget) for t in traces], cost, profile, profile_file, hardware,
+                      machine_conditions(run.cfg, run.device_key, cost, hardware, profile))
+
+
+def best_rule_phase(run: Run):
+    """Phase 3 (replay modes): the best engine rule per batch size tuned on the train split, read from OUT/rules.json
+    or tuned now and written there (--quick: on its first few traces)."""
+    if run.rule is not None:
+        return run.rule
+    data = run.replay
+    rules_file = run.out / "rules.json"
+    if rules_file.exists():
+        rules = read_json_file(rules_file, "tuned rules", keys=("best_rule",))
+    else:
+        traces = data.budget_traces[:QUICK_TRACES] if run.cfg.quick else data.budget_traces
+        print(f"specpilot: tuning the engine rules on {len(traces)} train-split traces first ({rules_file})", file=sys.stderr)
+        rules = tune_rules(traces, data.profile, run.draft.name, run.k_max, data.hardware, run.batch_sizes, run.budget,
+                           run.cfg.progress)
+        rules = {"device": run.device_key, "draft": run.draft.name, "split": "train", "traces": len(traces),
+                 "profile": relative(data.profile_file), "max_new_tokens": run.budget, "k_max": run.k_max, **rules}
+        atomic_write_text(rules_file, json.dumps(rules, indent=1) + "\n")
+    run.rule = rules_policy(rules["best_rule"], data.profile, data.budget_traces, run.k_max, run.draft.name)
+    return run.rule
+
+
+def plain_speed_phase(run: Run) -> PlainSpeed | None:
+    """Phase 4 (real-loop modes): plain decoding's measured speed, which the real env's reward prices steps by
+    (kept in run/plain_speed.json; reused on --resume)."""
+    if run.mode == "replay":
+        return None
+    path = run.run_dir / "plain_speed.json"
+    if run.cfg.resume and path.exists():
+        return PlainSpeed.load(path)
+    speed = measure_plain_speed(run.target, run.target.encode(run.real_prompts[0].text, chat=True),
+                                batch_sizes=run.real_batch_sizes)
+    speed.save(path)
+    return speed
+
+
+def _real_env_fns(run: Run, plain_speed: PlainSpeed) -> EnvFns:
+    cfg, hp = run.cfg, run.hp
+    kwargs = dict(k_max=run.k_max, max_new_tokens=run.budget, plain_speed=plain_speed, reward=str(hp["reward"]),
+                  batch_sizes=run.real_batch_sizes, loads=run.loads)
+    gpus = gpu_names() if run.torch_device.startswith("cuda") else []
+    if cfg.n_envs == 1 or not gpus:  # one process: the envs share the model loaded already
+        return EnvFns([lambda: SpecDecodeEnv(run.target, run.draft, run.real_prompts, **kwargs)] * cfg.n_envs)
+
+    def on_gpu(index: int):
+        def make():  # runs in the env's own process: its own copy of the models on its own GPU
+            own = load_target(cfg.target, cfg.dtype, f"cuda:{index}")
+            return SpecDecodeEnv(own, load_draft(cfg.draft, own, cfg.dtype), run.real_prompts, **kwargs)
+        return make
+
+    return EnvFns([on_gpu(i % len(gpus)) for i in range(cfg.n_envs)], subprocess=True)
+
+
+def _replay_env_fns(run: Run, sizes: list[int]) -> EnvFns:
+    data, hp = run.replay, run.hp
+
+    def make():
+        return ReplayEnv(data.traces, data.cost, k_max=run.k_max, noise=float(data.profile.get("noise", 0.05)),
+                         hardware=data.hardware, max_new_tokens=run.budget, reward=str(hp["reward"]), batch_sizes=sizes,
+                         speed_jitter=float(hp["replay_speed_jitter"]),
+                         context_lens=[int(c) for c in hp.get("context_lens") or []], conditions=data.conditions,
+                         hardware_noise=run.cfg.hardware_noise if data.conditions else 0.0,
+                         cost_jitter=float(hp.get("replay_cost_jitter") or 0.0))
+    return EnvFns([make] * run.cfg.n_envs, subprocess=True)
+
+
+def plan_phases(run: Run, plain_speed: PlainSpeed | None) -> tuple[list[tuple], int]:
+    """Phase 5: the PPO phases [(name, env factories, steps, checkpoint every)] with steps > 0, fitted to whole
+    rollouts, and the warm start's rounds; printed as the run's plan before anything trains."""
+    hp, cfg = run.hp, run.cfg
+    budget = plan_steps(cfg, hp, run.mode)
+    phases = []
+    if run.mode in ("replay", "both"):
         every = int(hp["replay_checkpoint_every"])
-        warmup = budget["replay-warmup"]
-        if warmup > 0:  # first at these batch sizes only (CPU: one row), then at all of them
+        if budget["replay-warmup"] > 0:  # first at these batch sizes only (CPU: one row), then at all of them
             warmup_sizes = [int(b) for b in hp.get("replay_warmup_batch_sizes") or [1]]
-            phases.append(("replay-warmup", replay_env_fn(warmup_sizes), warmup, every))
-        phases.append(("replay", replay_fn, budget["replay"], every))
-        probe = replay_fn[0]()
-        warn(probe.cost.outside(batch_sizes, max(probe.context_lens or [0]) + max(len(t.prompt_ids) + len(t.output_ids) for t in probe.traces)))
+            phases.append(("replay-warmup", _replay_env_fns(run, warmup_sizes), budget["replay-warmup"], every))
+        replay_fns = _replay_env_fns(run, run.batch_sizes)
+        phases.append(("replay", replay_fns, budget["replay"], every))
+        probe = replay_fns[0]()
+        warn(probe.cost.outside(run.batch_sizes, max(probe.context_lens or [0])
+                                + max(len(t.prompt_ids) + len(t.output_ids) for t in probe.traces)))
         print(f"specpilot: replay env runs {replay_steps_per_second(probe):,.0f} env steps/s "
               "(random actions, this process)", file=sys.stderr)
-    if mode in ("real", "both"):
-        phases.append(("real", real_env_fns(), budget["real"], int(hp["checkpoint_every"])))
+    if run.mode in ("real", "both"):
+        phases.append(("real", _real_env_fns(run, plain_speed), budget["real"], int(hp["checkpoint_every"])))
     n_steps, batch_size, fitted = fit_rollouts([p[2] for p in phases], int(hp["n_steps"]), int(hp["batch_size"]),
                                                cfg.n_envs)
     hp["n_steps"], hp["batch_size"] = n_steps, batch_size
-    phases = [(name, fn, s, every) for (name, fn, _, every), s in zip(phases, fitted)]
-    warm = int(hp["rollout_rounds"]) if mode in ("replay", "both") else 0
+    phases = [(name, fns, steps, every) for (name, fns, _, every), steps in zip(phases, fitted)]
+    warm = int(hp["rollout_rounds"]) if run.mode in ("replay", "both") else 0
     plan = ([f"warm start ({warm} round(s) of rollout improvement)"] if warm else []) + [
-        f"{n} {s:,} PPO steps" for n, _, s, _ in phases if s > 0]
-    if any(s > 0 for _, _, s, _ in phases):
+        f"{name} {steps:,} PPO steps" for name, _, steps, _ in phases if steps > 0]
+    if any(steps > 0 for _, _, steps, _ in phases):
         plan.append(f"rollouts of {n_steps} steps" + (f" x {cfg.n_envs} envs" if cfg.n_envs > 1 else ""))
-    print(f"specpilot: plan (env {mode}): " + (", ".join(plan) or "nothing to train"), file=sys.stderr)
+    print(f"specpilot: plan (env {run.mode}{', --quick' if cfg.quick else ''}): " + (", ".join(plan) or "nothing to train"),
+          file=sys.stderr)
+    return [p for p in phases if p[2] > 0], warm
 
-    phases = [p for p in phases if p[2] > 0]
 
-    def train_one(seed: int, member_out: Path) -> tuple[Path, str]:
-        """Warm start, PPO phases and export of one seed's policy into `member_out` (its run in member_out/run)."""
-        member_run = member_out / "run"
-        member_run.mkdir(parents=True, exist_ok=True)
-        init, warm_history = None, []
-        if warm:
-            warm_path = member_run / "warm_start.json"
-            if cfg.resume and warm_path.exists():
-                saved = read_json_file(warm_path, "warm-start file", keys=("layers", "normalization", "history"))
-                init = ([(np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)) for w, b in saved["layers"]],
-                        saved["normalization"])
-                warm_history = saved["history"]
-            else:
-                init, warm_history = _warm_start(cfg, hp, device_key, draft.name, {p.question_id for p in train_prompts},
-                                                 torch_device, batch_sizes, out, seed)
-                atomic_write_text(warm_path, json.dumps({"layers": [[w.tolist(), b.tolist()] for w, b in init[0]],
-                                                         "normalization": init[1], "history": warm_history}))
-        run_config = {"device": device_key, "hardware_name": hardware_name, "target": target.name,
-                      "draft": draft.name, **{k: v for k, v in asdict(cfg).items() if k not in ("hp",)}, "seed": seed}
-        provenance = {"target": target.name if simulated is None else simulated["target"], "draft": draft.name,
-                      "simulated": simulated is not None, "profile": relative(cfg.profile) if cfg.profile else None,
-                      "context_lens": [int(c) for c in hp.get("context_lens") or []],
-                      "condition_profiles": [relative(p.strip()) for p in cfg.condition_profiles.split(",") if p.strip()],
-                      "max_new_tokens": int(hp["max_new_tokens"]),
-                      "batch_sizes": batch_sizes, "real_batch_sizes": real_batch_sizes,
-                      "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": seed,
-                      "env": mode, "hyperparams": hp, "warm_start": warm_history}
-        if phases:
-            model, venv = train(phases, hp, member_run, seed=seed, resume=cfg.resume, track=cfg.track,
-                                wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init)
-            path = export_policy(model, venv, member_out, device_key, hardware_name, k_max, provenance,
-                                 check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
-                                 activation=str(hp["activation"]))
-            venv.close()  # its envs' processes and background loads
-            return path, "checked against SB3's actions"
-        if init is not None:  # the warm start alone (no PPO steps asked for)
-            log_rows(cfg.track, cfg.wandb_project, member_run, {**run_config, **hp}, "warm_start", warm_history)
-            return (write_policy(member_out, init[0], init[1], str(hp["activation"]), k_max, device_key, hardware_name,
-                                 0, provenance), "the rollout-improved policy, no PPO steps")
-        raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
+def warm_start_phase(run: Run, seed: int, member_run: Path) -> tuple[tuple | None, list]:
+    """Phase 6 (replay modes): rollout policy improvement from the best tuned rule (or the profile's batch x context
+    table), for one seed: (layers, normalisation) for PPO to start from and the rounds' history; kept in
+    member_run/warm_start.json and reused on --resume."""
+    path = member_run / "warm_start.json"
+    if run.cfg.resume and path.exists():
+        saved = read_json_file(path, "warm-start file", keys=("layers", "normalization", "history"))
+        layers = [(np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)) for w, b in saved["layers"]]
+        return (layers, saved["normalization"]), saved["history"]
+    hp, data = run.hp, run.replay
+    contexts = [int(c) for c in hp.get("context_lens") or []]
+    if hp.get("warm_start_base", "best-rule") == "batch-context-table":  # from the profile: no rule tuning
+        base = BatchContextTableK.from_profile(data.profile, data.budget_traces, run.k_max,
+                                               contexts or [data.profile["context_lens"][0]])
+        what = f"the batch x context table from the profile ({len(base.table)} cells)"
+    else:
+        base = best_rule_phase(run)
+        what = f"the best tuned rule ({', '.join(f'B={b} {s}' for b, s in base.table.items())})"
+    labels = str(hp.get("warm_start_labels") or "rollout")
+    print(f"specpilot: warm start: {hp['rollout_rounds']} rounds of rollout policy improvement from {what}"
+          + (" (one-row states labelled by the oracle's hindsight Q*)" if labels == "oracle" else ""), file=sys.stderr)
+    layers, norm, history = improve_policy(
+        base, data.budget_traces, data.cost, run.k_max, data.hardware, run.batch_sizes, rollout_episodes(hp, run.batch_sizes),
+        run.budget, int(hp["rollout_rounds"]), list(hp["net_arch"]), str(hp["activation"]), int(hp["rollout_epochs"]),
+        seed=seed, progress=run.cfg.progress, log=lambda m: print(f"specpilot: {m}", file=sys.stderr),
+        context_lens=contexts, conditions=data.conditions,
+        hardware_noise=run.cfg.hardware_noise if data.conditions else 0.0,
+        cost_jitter=float(hp.get("replay_cost_jitter") or 0.0), workers=int(hp.get("rollout_workers") or 0),
+        labels=labels, batch_weights={int(b): float(w) for b, w in (hp.get("rollout_batch_weights") or {}).items()})
+    atomic_write_text(path, json.dumps({"layers": [[w.tolist(), b.tolist()] for w, b in layers], "normalization": norm,
+                                        "history": history}))
+    return (layers, norm), history
 
-    if len(seeds) == 1:
-        meta_path, how = train_one(seeds[0], out)
-    else:  # one policy per seed, then their mean (a member already trained is kept on --resume)
-        members = []
-        for number, seed in enumerate(seeds, 1):
-            member_out = out / "seeds" / f"seed-{seed}"
-            if cfg.resume and (member_out / "policy.json").exists():
-                print(f"specpilot: seed {seed} ({number}/{len(seeds)}): kept {member_out / 'policy.json'}", file=sys.stderr)
-            else:
-                print(f"specpilot: seed {seed} ({number}/{len(seeds)})", file=sys.stderr)
-                train_one(seed, member_out)
-            members.append(member_out / "policy.json")
-        meta_path = merge_policies(members, out)
-        how = f"the mean of {len(seeds)} seeds' policies ({', '.join(map(str, seeds))}), checked against theirs"
-    if mode in ("replay", "both") and hp.get("defer_margin") is not None:  # where the tuned rule decides instead
-        rule, rule_traces, cost, hardware = _best_rule(cfg, hp, device_key, draft.name,
-                                                       {p.question_id for p in train_prompts}, torch_device, batch_sizes, out)
-        mlp = LearnedK.load(meta_path, device=device_key, draft=draft.name, defer=False)
-        table, ratios = defer_table(mlp, rule, rule_traces, cost, k_max, hardware, batch_sizes, int(hp["max_new_tokens"]),
-                                    float(hp["defer_margin"]))
-        write_defer(meta_path, table, ratios, float(hp["defer_margin"]))
-        print(f"specpilot: the tuned rule's batch sizes (train-split replay): {describe(table, ratios)}", file=sys.stderr)
-    learned = LearnedK.load(meta_path, device=device_key, draft=draft.name)
-    print(f"specpilot: exported {meta_path} ({how}); one decision takes "
-          f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
-    if not test_prompts:
-        print(f"specpilot: done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-        return 0
-    held_out = per_category(test_prompts, cfg.eval_per_category)
-    statics = sorted({k for k in (1, 2, 3, 4, 6, k_max) if k <= k_max})
+
+def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out: Path) -> tuple[Path, str]:
+    """Phase 7: one seed's policy: its warm start, its PPO phases and its export into member_out."""
+    member_run = member_out / "run"
+    member_run.mkdir(parents=True, exist_ok=True)
+    init, warm_history = warm_start_phase(run, seed, member_run) if warm else (None, [])
+    cfg, hp, simulated = run.cfg, run.hp, run.simulated
+    run_config = {"device": run.device_key, "hardware_name": run.hardware_name, "target": run.target.name,
+                  "draft": run.draft.name, **{k: v for k, v in asdict(cfg).items() if k != "hp"}, "seed": seed}
+    provenance = {"target": run.target.name if simulated is None else simulated["target"], "draft": run.draft.name,
+                  "simulated": simulated is not None, "profile": relative(cfg.profile) if cfg.profile else None,
+                  "context_lens": [int(c) for c in hp.get("context_lens") or []],
+                  "condition_profiles": [relative(p.strip()) for p in cfg.condition_profiles.split(",") if p.strip()],
+                  "max_new_tokens": run.budget, "batch_sizes": run.batch_sizes, "real_batch_sizes": run.real_batch_sizes,
+                  "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": seed, "env": run.mode,
+                  "hyperparams": hp, "warm_start": warm_history, "quick": cfg.quick,
+                  "phases": [{"name": name, "steps": steps} for name, _, steps, _ in phases]}
+    if phases:
+        model, venv = train(phases, hp, member_run, seed=seed, resume=cfg.resume, track=cfg.track,
+                            wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init)
+        path = export_policy(model, venv, member_out, run.device_key, run.hardware_name, run.k_max, provenance,
+                             check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
+                             activation=str(hp["activation"]))
+        venv.close()  # its envs' processes and background loads
+        return path, "checked against SB3's actions"
+    if init is not None:  # the warm start alone (no PPO steps asked for)
+        log_rows(cfg.track, cfg.wandb_project, member_run, {**run_config, **hp}, "warm_start", warm_history)
+        return (write_policy(member_out, init[0], init[1], str(hp["activation"]), run.k_max, run.device_key,
+                             run.hardware_name, 0, provenance), "the rollout-improved policy, no PPO steps")
+    raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
+
+
+def train_members(run: Run, phases: list[tuple], warm: int) -> tuple[Path, str]:
+    """Phase 8: one policy per seed, then their mean (a member already trained is kept on --resume)."""
+    if len(run.seeds) == 1:
+        return train_member(run, phases, warm, run.seeds[0], run.out)
+    members = []
+    for number, seed in enumerate(run.seeds, 1):
+        member_out = run.out / "seeds" / f"seed-{seed}"
+        if run.cfg.resume and (member_out / "policy.json").exists():
+            print(f"specpilot: seed {seed} ({number}/{len(run.seeds)}): kept {member_out / 'policy.json'}", file=sys.stderr)
+        else:
+            print(f"specpilot: seed {seed} ({number}/{len(run.seeds)})", file=sys.stderr)
+            train_member(run, phases, warm, seed, member_out)
+        members.append(member_out / "policy.json")
+    return (merge_policies(members, run.out),
+            f"the mean of {len(run.seeds)} seeds' policies ({', '.join(map(str, run.seeds))}), checked against theirs")
+
+
+def defer_phase(run: Run, meta_path: Path) -> None:
+    """Phase 9 (replay modes): hand the batch sizes where the MLP trails the tuned rule on the train-split replay
+    to that rule (the policy's `defer` table)."""
+    margin = run.hp.get("defer_margin")
+    if run.mode not in ("replay", "both") or margin is None:
+        return
+    rule, data = best_rule_phase(run), run.replay
+    mlp = LearnedK.load(meta_path, device=run.device_key, draft=run.draft.name, defer=False, replay=True)
+    table, ratios = defer_table(mlp, rule, data.budget_traces, data.cost, run.k_max, data.hardware, run.batch_sizes, run.budget,
+                                float(margin))
+    write_defer(meta_path, table, ratios, float(margin))
+    print(f"specpilot: the tuned rule's batch sizes (train-split replay): {describe(table, ratios)}", file=sys.stderr)
+
+
+def evaluate_phase(run: Run, learned: LearnedK) -> None:
+    """Phase 10: the exported policy beside plain decoding, static k, the heuristic and the best tuned rule on held-out
+    (test split) prompts, interleaved; run/eval.json and a W&B table."""
+    cfg = run.cfg
+    held_out = per_category(run.test_prompts, cfg.eval_per_category)
+    if cfg.quick:
+        held_out = held_out[:2]
+    statics = sorted({k for k in (1, 2, 3, 4, 6, run.k_max) if k <= run.k_max})
     policies = {"none": NoSpeculation(), **{f"static:{k}": StaticK(k) for k in statics},
-                "heuristic": HeuristicK(k_max), "learned": learned}
-    if mode in ("replay", "both"):  # the rule the learned policy has to beat
-        policies["best-rule"] = _best_rule(cfg, hp, device_key, draft.name, {p.question_id for p in train_prompts},
-                                           torch_device, batch_sizes, out)[0]
-    runs = run_benchmark(target, draft, policies, held_out, cfg.eval_max_new_tokens, 1, progress=cfg.progress)
+                "heuristic": HeuristicK(run.k_max), "learned": learned}
+    if cfg.quick:
+        policies = {n: p for n, p in policies.items() if n in ("none", "static:3", "learned")}
+    if run.mode in ("replay", "both"):  # the rule the learned policy has to beat
+        policies["best-rule"] = best_rule_phase(run)
+    runs = run_benchmark(run.target, run.draft, policies, held_out, cfg.eval_max_new_tokens, 1, progress=cfg.progress)
     summary = summarize(runs)
     table = summary["table"]
     best_static = max((n for n in policies if n.startswith("static:")), key=lambda n: table[n]["overall"]["tokens_per_s"])
     row, best = table["learned"]["overall"], table[best_static]["overall"]
     print(format_table(summary))
     print(f"learned vs best static ({best_static}): {row['tokens_per_s'] / best['tokens_per_s']:.3f}x tokens/s; "
-          f"vs heuristic: {row['tokens_per_s'] / table['heuristic']['overall']['tokens_per_s']:.3f}x; "
-          f"vs plain: {row['speedup']:.3f}x"
+          + (f"vs heuristic: {row['tokens_per_s'] / table['heuristic']['overall']['tokens_per_s']:.3f}x; "
+             if "heuristic" in table else "")
+          + f"vs plain: {row['speedup']:.3f}x"
           + (f"; vs best-rule: {row['tokens_per_s'] / table['best-rule']['overall']['tokens_per_s']:.3f}x"
-             if "best-rule" in table else ""))
-    log_rows(cfg.track, cfg.wandb_project, run_dir, {"device": device_key, "draft": draft.name, "policy": str(meta_path),
-                                                     "prompts": [p.question_id for p in held_out]}, "eval",
-             summary={f"{name}/{key}": value for name, row in table.items()
-                      for key, value in row["overall"].items() if isinstance(value, (int, float))})
-    atomic_write_text(run_dir / "eval.json", json.dumps({"summary": summary, "best_static": best_static,
-                                                         "prompts": [p.question_id for p in held_out]}, indent=1))
-    print(f"specpilot: done in {time.perf_counter() - started:.0f} s (evaluation: results in {run_dir / 'eval.json'})",
-          file=sys.stderr)
+             if "best-rule" in table else "")
+          + f" ({len(held_out)} test prompts, one run: a first look, not a measurement; scripts/benchmark.py measures)")
+    log_rows(cfg.track, cfg.wandb_project, run.run_dir, {"device": run.device_key, "draft": run.draft.name,
+                                                         "prompts": [p.question_id for p in held_out]}, "eval",
+             summary={f"{name}/{key}": value for name, r in table.items()
+                      for key, value in r["overall"].items() if isinstance(value, (int, float))})
+    atomic_write_text(run.run_dir / "eval.json", json.dumps({"summary": summary, "best_static": best_static,
+                                                             "prompts": [p.question_id for p in held_out]}, indent=1))
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
+    started = time.perf_counter()
+    run = resolve_run(cfg)
+    if run.mode in ("replay", "both"):
+        run.replay = load_replay_data(run)
+    plain_speed = plain_speed_phase(run)
+    phases, warm = plan_phases(run, plain_speed)
+    meta_path, how = train_members(run, phases, warm)
+    defer_phase(run, meta_path)
+    learned = LearnedK.load(meta_path, device=run.device_key, draft=run.draft.name, replay=run.simulated is not None)
+    print(f"specpilot: exported {meta_path} ({how}); one decision takes "
+          f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
+    if run.test_prompts:
+        evaluate_phase(run, learned)
+    print(f"specpilot: done in {time.perf_counter() - started:.0f} s"
+          + (f" (evaluation: {run.run_dir / 'eval.json'})" if run.test_prompts else ""), file=sys.stderr)
     return 0

@@ -13,6 +13,7 @@ import pytest
 from specpilot.agents.improve import collect
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import HW_FEATURES
+from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.policies import StaticK
 from specpilot.env.oracle import CostModel, Trace
 from specpilot.env.replay_env import MachineCondition, ReplayEnv
@@ -142,7 +143,6 @@ def test_conditions_report_end_to_end(tmp_path):
     them is ahead of the pinned one (what the counters carry), each speedup equal to a direct replay."""
     from specpilot.bench.conditions_cli import PINNED, conditions_main
     from specpilot.bench.simulated_cli import SimulatedReportConfig, split_traces
-    from specpilot.decoding.learned import LearnedK
     from specpilot.env.oracle import load_profile, profile_hardware
     from specpilot.env.replay_env import replay_evaluate
 
@@ -161,3 +161,28 @@ def test_conditions_report_end_to_end(tmp_path):
     direct = replay_evaluate({"learned": policy}, test, CostModel.from_profile(profile), 8, profile_hardware(profile), 32, 48,
                              context_len=512)
     assert direct["learned"]["speedup"] == pytest.approx(cells["power-cap"]["learned"], rel=1e-9)
+
+
+def test_a_simulated_policy_on_real_hardware_warns_in_one_line(capsys):
+    """Loading a policy trained on a SIMULATED profile for the real loop says so in one warning line; for a replay
+    (replay=True, as the simulated reports load it) it says nothing."""
+    folder = ROOT / "policies-simulated" / "a100" / "ngram-3"
+    LearnedK.load(folder, allow_device_mismatch=True, replay=True)
+    assert capsys.readouterr().err == ""
+    LearnedK.load(folder, allow_device_mismatch=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and "SIMULATED" in lines[0]
+
+
+def test_a_cpu_without_its_own_policy_takes_another_cpus_with_a_warning(tmp_path, monkeypatch, capsys):
+    """On a CPU machine key with no policy of its own, the shipped CPU policy for that draft is used, with one
+    warning line naming whose it is; another device kind (a GPU key) gets none and a one-line error."""
+    from specpilot.decoding.learned import default_policy_path
+
+    monkeypatch.chdir(tmp_path)  # no policies/ here: the package's own are found
+    path = default_policy_path("cpu-other-model-64c", "ngram:3")
+    assert path.parent.parent.name == "cpu-amd-epyc-2c" and path.name == "policy.json"
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "no policy for this machine (cpu-other-model-64c)" in lines[0]
+    with pytest.raises(SpecPilotError, match="no learned policy for device 'a6000'"):
+        default_policy_path("a6000", "ngram:3")

@@ -736,3 +736,20 @@ def test_seeds_train_one_policy_each_and_export_their_mean(tiny_model_dirs, tmp_
     kept = (folder / "seeds" / "seed-0" / "policy.json").stat().st_mtime
     assert train_main(train_args(tiny_model_dirs, tmp_path, 32, "--no-track", "--seeds", "0,1", "--resume")) == 0
     assert (folder / "seeds" / "seed-0" / "policy.json").stat().st_mtime == kept
+
+
+def test_quick_trains_one_small_policy_where_it_is_told_and_counts_only_ppo_steps(tiny_model_dirs, tmp_path, capsys):
+    """--quick on the CPU block (whose YAML trains two seeds and no PPO): one seed, one-row real batches, and
+    --timesteps are PPO steps only, all of them in the one PPO phase there is; nothing written outside --out."""
+    from specpilot.agents.train_cli import train_main
+
+    args = ["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--env", "real",
+            "--quick", "--timesteps", "64", "--hp", "max_new_tokens=12", "--hp", "k_max=4", "--out", str(tmp_path / "q"),
+            "--eval-per-category", "0", "--no-track", "--no-progress"]
+    assert train_main(args) == 0
+    err = capsys.readouterr().err
+    assert "plan (env real, --quick): real 64 PPO steps" in err and "seed 1 (" not in err
+    meta = json.loads((policy_dir(tmp_path / "q") / "policy.json").read_text())
+    assert meta["training_steps"] == 64 and meta["quick"] is True and meta["real_batch_sizes"] == [1]
+    assert meta["phases"] == [{"name": "real", "steps": 64}]
+    assert not (policy_dir(tmp_path / "q") / "seeds").exists()
