@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from specpilot.bench.tune_cli import rules_policy
 from specpilot.decoding.hardware import artifact_key
-from specpilot.decoding.config import parse_config, parse_ints, run_cli
+from specpilot.decoding.config import ReplayInputs, parse_config, parse_ints, run_cli
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.paths import POLICIES, Checkpoint, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
 from specpilot.env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
@@ -33,13 +33,9 @@ from .train_cli import rollout_episodes
 
 
 @dataclass
-class CrossFitConfig:
+class CrossFitConfig(ReplayInputs):
     """Score training recipes on held-out folds of the train split (replay, every batch size)."""
 
-    device: str = "cpu"
-    """Device whose cost profile, traces, tuned rules and YAML block are used."""
-    draft: str = "ngram:3"
-    """Draft of the traces and rules."""
     recipes: str = "all,-passage_translation"
     """Comma-separated recipes: `all` (every train prompt) or `-CAT[+CAT...]` (without these categories)."""
     folds: int = 4

@@ -18,7 +18,7 @@ from pathlib import Path
 from specpilot.bench.batch_table import BatchTableK
 from specpilot.bench.tune_cli import rules_policy
 from specpilot.decoding.hardware import artifact_key
-from specpilot.decoding.config import parse_config, parse_ints, run_cli
+from specpilot.decoding.config import ReplayInputs, parse_config, parse_ints, run_cli
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.paths import POLICIES, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
@@ -30,13 +30,9 @@ from .ppo import load_hyperparams
 
 
 @dataclass
-class DeferConfig:
+class DeferConfig(ReplayInputs):
     """Write where a learned policy defers to the tuned rule (its `defer` table), from the train-split replay."""
 
-    device: str = "cpu"
-    """Device key of the policy, cost profile, traces and tuned rules."""
-    draft: str = "ngram:3"
-    """Draft the policy was trained with."""
     policy: str | None = None
     """policy.json to gate (default: policies/DEVICE/DRAFT/policy.json)."""
     margin: float | None = None

@@ -18,7 +18,7 @@ import numpy as np
 
 from specpilot.bench.tune_cli import rules_policy
 from specpilot.decoding.hardware import artifact_key
-from specpilot.decoding.config import parse_config, parse_ints, run_cli
+from specpilot.decoding.config import ReplayInputs, parse_config, parse_ints, run_cli
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.paths import POLICIES, policy_dir, profile_path, read_json_file, traces_path
 from specpilot.env.oracle import CostModel, load_draft_traces, load_profile, load_traces, profile_hardware, train_traces, truncate
@@ -28,13 +28,9 @@ from .improve import as_policy, collect, fit, merge
 
 
 @dataclass
-class FitCheckConfig:
+class FitCheckConfig(ReplayInputs):
     """Score warm-start fit variants on held-out train prompts (one row, replay)."""
 
-    device: str = "cpu"
-    """Device whose cost profile, traces and tuned rules are used."""
-    draft: str = "ngram:3"
-    """Draft of the traces and rules."""
     passes: str = "50,200"
     """Comma-separated numbers of passes of the fit to compare."""
     entropy: str = "0,0.02,0.05"

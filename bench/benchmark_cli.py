@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
+from specpilot.decoding.config import ModelOptions, at_least, parse_config, parse_ints, warn
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import device_of
 from specpilot.decoding.models import load_draft, load_target, resolve_torch_device
@@ -47,13 +47,13 @@ from .benchmark import (
 from specpilot.env.load import LOADS
 from .paired_cli import paired_ratios, versus_markdown
 from .plots import plot_batch_benchmark, plot_benchmark, plot_load_benchmark
-from .replay_check import format_check, replay_check
+from .replay_check import format_check, machine_speed_warning, plain_speed_ratio, replay_check
 from .report import write_report
 from .tune_cli import rules_policy
 
 
 @dataclass
-class BenchmarkConfig:
+class BenchmarkConfig(ModelOptions):
     """Benchmark length policies side by side (interleaved, medians) on a prompt set."""
 
     policies: str = "none,static:1,static:2,static:4,static:8,heuristic,confidence:0.5"
@@ -83,16 +83,6 @@ class BenchmarkConfig:
     """Wrap prompts in the chat template."""
     temperature: float = 0.0
     """0 = greedy (also checks losslessness against plain decoding)."""
-    device: str = "auto"
-    """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
-    dtype: str = "auto"
-    """Model dtype: auto | float32 | bfloat16 | float16."""
-    gemm: str = "auto"
-    """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
-    (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
-    of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
-    allow_device_mismatch: bool = False
-    """Let a learned policy trained on another device run."""
     out: str = "runs/benchmark"
     """Folder for results.json and benchmark.png."""
     report: str | None = None
@@ -286,10 +276,21 @@ def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     return 0
 
 
+def _speed_check(cfg, runs, prompts, target, device_key: str, draft) -> None:
+    """Warn in one line when this machine's plain step is far from what its cost profile prices (a machine of the
+    same key at another speed): the replay-tuned rules and policy then price another machine's steps."""
+    path = Path(cfg.profile) if cfg.profile else profile_path(device_key, draft.name)
+    if not path.exists() or cfg.temperature != 0:  # the profile prices greedy steps
+        return
+    lens = {p.question_id: len(target.encode(p.text, chat=cfg.chat)) for p in prompts}
+    warn(machine_speed_warning(plain_speed_ratio(runs, lens, CostModel.from_profile(load_profile(path))), relative(path)))
+
+
 def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, device_key, hardware_name, argv) -> int:
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
     runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
                                cfg.chat, cfg.progress, checkpoint=_checkpoint(cfg), resume=cfg.resume)
+    _speed_check(cfg, runs, prompts, target, device_key, draft)
     summary = summarize_batches(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
@@ -449,6 +450,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
         return _batch_benchmark(cfg, target, draft, sampling, policies, prompts, device_key, hardware_name, argv)
     runs = run_benchmark(target, draft, policies, prompts, cfg.max_new_tokens, cfg.repeats, sampling, cfg.chat, cfg.progress,
                          checkpoint=_checkpoint(cfg), resume=cfg.resume)
+    _speed_check(cfg, runs, prompts, target, device_key, draft)
     summary = summarize(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
     meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from specpilot.decoding.hardware import artifact_key
-from specpilot.decoding.config import parse_config, run_cli
+from specpilot.decoding.config import ReplayInputs, parse_config, run_cli
 from specpilot.decoding.drafters import match_statistics, ngram_search
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.paths import atomic_write_text, profile_path, slug, temperature_suffix, traces_path
@@ -40,13 +40,9 @@ from specpilot.env.oracle import (CostModel, Trace, load_profile, load_traces, o
 
 
 @dataclass
-class CeilingConfig:
+class CeilingConfig(ReplayInputs):
     """The acceptance-estimate ceiling of a causal k policy at one row, per family of inputs."""
 
-    device: str = "cpu"
-    """Device key of the cost profile (profiles/DEVICE[-DRAFT].json)."""
-    draft: str = "ngram:3"
-    """The prompt-lookup draft whose traces are read (profiles/traces-DRAFT.json)."""
     max_new_tokens: int = 48
     """Tokens per trace."""
     inputs: str = "match"

@@ -107,3 +107,28 @@ def format_check(name: str, result: dict, top: int = 3) -> str:
             f"{'':<16}step seconds / profile price, relative to plain steps: whole run "
             f"{result['costs']['real_over_priced']:.3f}; by k " + ", ".join(
                 f"{k}: {r:.2f} (n={n})" for k, (n, _, _, r) in result["costs"]["by_k"].items()))
+
+
+SPEED_TOLERANCE = 1.33
+"""How far (either way) this machine's plain step may sit from the cost profile's price before a warning says so:
+more than the profile's own cell noise (10-14%) and a run's drift, less than the 1.5-2x between machines of a key."""
+
+
+def plain_speed_ratio(runs, prompt_lens: dict[str, int], cost) -> float | None:
+    """Median over the one-row, unloaded plain-decoding runs (policy `none`) of their seconds per step over the cost
+    profile's price of a plain step at that prompt's context (mid-answer); None without such runs."""
+    ratios = []
+    for r in runs:
+        if r.policy == "none" and r.batch_size == 1 and r.steps and getattr(r, "load", "none") == "none":
+            context = prompt_lens.get(r.question_ids[0], 0) + r.new_tokens // 2
+            ratios.append((r.seconds / r.steps) / float(cost.step_costs(context, 1)[0][0]))
+    return float(np.median(ratios)) if ratios else None
+
+
+def machine_speed_warning(ratio: float | None, profile_name: str) -> str | None:
+    """One warning line when this machine's plain step is outside SPEED_TOLERANCE of the profile's (None if not)."""
+    if ratio is None or 1 / SPEED_TOLERANCE <= ratio <= SPEED_TOLERANCE:
+        return None
+    return (f"plain decoding here takes {ratio:.2f}x the time the cost profile {profile_name} prices it at: the replay, "
+            "the tuned rules and the learned policy price another machine's steps (profile this one: "
+            "python scripts/profile_device.py --device cpu, then tune_rules.py and train_policy.py)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specpilot.decoding.hardware import artifact_key
-from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
+from specpilot.decoding.config import ReplayInputs, at_least, parse_config, parse_ints, warn
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.paths import (
     atomic_write_text,
@@ -39,13 +39,9 @@ FAMILIES = ("static", "heuristic", "batch-table", "match", "sglang-adaptive", "t
 
 
 @dataclass
-class TuneConfig:
+class TuneConfig(ReplayInputs):
     """Tune the engines' k rules on the train split (replay env, noise-free) for one device and draft."""
 
-    device: str = "cpu"
-    """Device key whose cost profile is used (profiles/DEVICE[-DRAFT].json)."""
-    draft: str = "ngram:3"
-    """The draft the rules are tuned for (its traces: profiles/traces-DRAFT.json)."""
     profile: str | None = None
     """Cost profile (default: the device's)."""
     traces: str | None = None

@@ -13,6 +13,32 @@ from typing import Callable
 from .errors import SpecPilotError
 
 
+@dataclasses.dataclass
+class ReplayInputs:
+    """The fields of every replay command (no model runs): whose cost profile, traces, rules and policy it reads."""
+
+    device: str = "cpu"
+    """Machine key of the cost profile, traces, tuned rules and policy: cpu (this CPU's key), or a key such as a100."""
+    draft: str = "ngram:3"
+    """The draft: its traces (profiles/traces-DRAFT.json), tuned rules and policy (policies/DEVICE/DRAFT/)."""
+
+
+@dataclasses.dataclass
+class ModelOptions:
+    """The fields of every command that loads the target: where and how it runs."""
+
+    device: str = "auto"
+    """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
+    dtype: str = "auto"
+    """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
+    gemm: str = "auto"
+    """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
+    (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
+    of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
+    allow_device_mismatch: bool = False
+    """Let a learned policy trained on another device run."""
+
+
 def field_docs(cls) -> dict[str, str]:
     """{field name: the docstring written under it} for a dataclass."""
     docs: dict[str, str] = {}

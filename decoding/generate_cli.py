@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import at_least, parse_config
+from .config import ModelOptions, at_least, parse_config
 from .errors import SpecPilotError
 from .hardware import device_of
 from .loop import generate
@@ -17,7 +17,7 @@ from .sampling import Sampling
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(ModelOptions):
     """Generate text with speculative decoding and a draft-length policy."""
 
     prompt: str | None = None
@@ -46,16 +46,6 @@ class GenerateConfig:
     """Nucleus sampling mass (1 = off)."""
     seed: int = 0
     """Random seed for sampling."""
-    device: str = "auto"
-    """Device: auto | cpu | cuda[:N] | a device key such as h100 (must be present)."""
-    dtype: str = "auto"
-    """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
-    gemm: str = "auto"
-    """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
-    (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
-    of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
-    allow_device_mismatch: bool = False
-    """Let --policy learned use a policy trained on another device."""
     json: bool = False
     """Print one JSON object (text, token_ids, stats) instead of the text."""
 

@@ -145,8 +145,7 @@ def _sdpa_gqa(sdpa_attention_forward):
     """transformers' sdpa attention (`sdpa_attention_forward`), except that with a padding mask and several
     queries (a batch verifying its drafts) the grouped key/value heads are not copied per query head:
     transformers repeats them (`repeat_kv`, its sdpa path for a masked multi-token pass), which made this CPU's
-    batched verify steps cost up to 6x a plain step at long contexts (the profile grid in reports/README.md,
-    fifth stop); torch's `enable_gqa` reads them in place, same numbers."""
+    batched verify steps cost up to 6x a plain step at long contexts (the profile grid); torch's `enable_gqa` reads them in place, same numbers."""
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] == 1
@@ -181,13 +180,13 @@ class SmallRowLinear(torch.nn.Linear):
     torch computes `F.linear(x, W)` as x @ W^T, and on this CPU's MKL that costs 2-2.5x more for 2-4 rows than
     for one (the same weights read either way: the kernel, not the arithmetic, made a verify pass of 1-3 drafted
     tokens cost 1.65-2.0x a plain step). Handed over the other way round, W (out x in) times x^T (in x rows), a
-    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m specpilot.bench.gemm`, ninth stop of reports/README.md).
+    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m specpilot.bench.gemm`; reports/README.md, "The cost curve of this CPU").
     One row is padded with a zero row and taken the same way: MKL's one-row product (x @ W^T and W @ x alike)
     is slower than its two-row one here, and a plain step through two rows is 1.44x [1.14, 1.80] as fast as one
-    through nn.Linear (`python -m specpilot.bench.gemm --batch-sizes 1,2 --context-len 512`, thirteenth stop). At 5 or more rows nn.Linear's path was no slower, so those keep it,
+    through nn.Linear (`python -m specpilot.bench.gemm --batch-sizes 1,2 --context-len 512`). At 5 or more rows nn.Linear's path was no slower, so those keep it,
     as do other dtypes and devices. Same numbers up to float summation order. The product is returned contiguous:
     handed on transposed, the projections' outputs sent attention down a path whose cost grows with the context
-    (at 2,048 tokens two rows' plain step 0.75x and four rows' 0.58x as fast as nn.Linear's, eleventh stop)."""
+    (at 2,048 tokens two rows' plain step 0.75x and four rows' 0.58x as fast as nn.Linear's)."""
 
     min_rows: int = 1
     """Fewest rows (batch x tokens) taken the other way round (one row is padded to two)."""

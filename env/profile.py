@@ -140,7 +140,7 @@ def profile_batches(target, draft, prompt_ids, k_max: int, context_len: int, rep
     for b in batch_sizes:
         budget = repeats * (k_max + 1) * (k_max + 2) + 4
         # one row is timed as `generate` decodes one prompt: unbatched (no slot mask), the path the benchmark's
-        # B = 1 runs (a batch of one takes the masked path; their costs measured alike, thirteenth stop)
+        # B = 1 runs (a batch of one takes the masked path; their costs measured alike)
         rows = filler_ids(prompt_ids, context_len) if b == 1 else [filler_ids(prompt_ids, context_len)] * b
         state = start(target, randomizer, rows, budget)
         samples = _timed_steps(state, k_max, repeats, progress)

@@ -155,6 +155,7 @@ def test_every_command_resolves_the_device_the_same_way(gpus, monkeypatch, tmp_p
         assert str(loaded.value) == expected, name
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
     """scripts/gpu_check.sh --dry-run: the GPU check's steps (tests, profile, a real-loop training with its
     export and evaluation, LearnedK deciding in generate) on the CPU with tiny shapes, all under $OUT."""
@@ -293,3 +294,17 @@ def test_benchmark_under_loads_pairs_each_load_with_plain_under_it(tiny_model_di
                     for p in ("static:1", "static:3")}
             versus.append(rate["static:3"] / rate["static:1"])
         assert summary["versus"]["cells"]["static:3"][f"{load} B=1"]["per_repeat"] == pytest.approx(versus, rel=1e-9)
+
+
+def test_a_cpu_machine_key_names_its_model_and_cores(gpus):
+    """The key a CPU's artifacts live under: model (trademarks, 'CPU', clock and 'Processor' dropped) and cores;
+    --device cpu and auto resolve to this machine's, another CPU's key is a one-line error naming this one."""
+    gpus([])
+    assert hw.cpu_key("AMD EPYC", 2) == "cpu-amd-epyc-2c"
+    assert hw.cpu_key("Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz", 8) == "cpu-intel-xeon-platinum-8375c-8c"
+    assert hw.cpu_key("AMD EPYC 7B13 64-Core Processor", 16) == "cpu-amd-epyc-7b13-64-core-16c"
+    here = hw.cpu_key()
+    assert hw.resolve("cpu").key == hw.resolve("auto").key == hw.resolve(here).key == here
+    assert hw.artifact_key("cpu") == here and hw.artifact_key("a100") == "a100"
+    with pytest.raises(SpecPilotError, match=f"is not this machine: its CPU is {here}"):
+        hw.resolve("cpu-other-model-1024c")

@@ -595,6 +595,7 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
     assert (tmp_path / "reports" / "cpu.png").exists() and "| oracle |" in (tmp_path / "reports" / "cpu.md").read_text()
 
 
+@pytest.mark.slow
 def test_training_survives_sigkill_at_random_points(tiny_model_dirs, tmp_path):
     """Fault injection: a training run in a subprocess is killed with SIGKILL three times at random points
     (after its first checkpoint: in PPO, in a checkpoint write, in the export), resumed each time with

@@ -12,15 +12,29 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYER = {"decoding": 0, "env": 1, "distill": 1, "bench": 2, "agents": 3}
 
 
-def project_imports(path: Path) -> set[str]:
-    """The project packages a module imports, at any depth in it (function-level imports included)."""
+def imported_names(path: Path) -> set[str]:
+    """Every absolute module name a module imports, at any depth in it (function-level imports included)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found.add(node.module)
         elif isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-    return found & set(LAYER)
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def project_imports(path: Path) -> set[str]:
+    """The project packages (`specpilot.X`) a module imports."""
+    return {name.split(".")[1] for name in imported_names(path)
+            if name.startswith("specpilot.") and name.split(".")[1] in LAYER}
+
+
+def test_everything_is_imported_under_one_name():
+    """No module imports a project package by a bare top-level name (`from decoding...`): one name, `specpilot`."""
+    bare = [f"{path.relative_to(ROOT)} imports {name}" for folder in [*LAYER, "scripts", "tests", "specpilot"]
+            for path in sorted((ROOT / folder).rglob("*.py")) for name in imported_names(path)
+            if name.split(".")[0] in LAYER]
+    assert not bare, bare
 
 
 def test_dependencies_point_down():
@@ -35,17 +49,20 @@ def test_dependencies_point_down():
 
 def test_the_checker_sees_a_wrong_import(tmp_path):
     bad = tmp_path / "m.py"
-    bad.write_text("def f():\n    from bench.benchmark import summarize\n")
+    bad.write_text("def f():\n    from specpilot.bench.benchmark import summarize\n")
     assert project_imports(bad) == {"bench"}
+    bad.write_text("from decoding.loop import generate\n")
+    assert imported_names(bad) == {"decoding.loop"} and project_imports(bad) == set()
 
 
 def test_decoding_loads_nothing_above_it():
     """Importing every module of the decoder library loads no module of env, agents, bench or distill."""
     code = (
-        "import importlib, json, pkgutil, sys, decoding\n"
+        "import importlib, json, pkgutil, sys, specpilot.decoding as decoding\n"
         "for m in pkgutil.iter_modules(decoding.__path__):\n"
-        "    importlib.import_module('decoding.' + m.name)\n"
-        "print(json.dumps(sorted(n for n in sys.modules if n.split('.')[0] in ('env', 'agents', 'bench', 'distill'))))\n"
+        "    importlib.import_module('specpilot.decoding.' + m.name)\n"
+        "print(json.dumps(sorted(n for n in sys.modules if n.split('.')[:2][-1] in ('env', 'agents', 'bench', 'distill')\n"
+        "                        and n.startswith('specpilot.'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     modules = json.loads(out.stdout.strip().splitlines()[-1])

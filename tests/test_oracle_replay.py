@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import zlib
 
 import gymnasium as gym
@@ -415,3 +416,29 @@ def test_step_cost_check_prices_each_real_step_and_names_the_k_the_profile_under
     real = sum(p * f for p, (_, _, f) in zip(priced, plan))
     assert result["real_over_priced"] == pytest.approx(real / sum(priced) / 2.0)
     assert result["real_over_priced"] > 1.0
+
+
+def test_a_machine_far_from_its_profiles_speed_is_named_in_one_warning():
+    """The benchmark's speed check: one-row unloaded plain runs, each priced at its own prompt's context, against
+    the profile; within the tolerance nothing is said, 2x slower is one line; other runs do not count."""
+    from types import SimpleNamespace
+
+    from specpilot.bench.replay_check import SPEED_TOLERANCE, machine_speed_warning, plain_speed_ratio
+
+    cost = CostModel([0, 1000], [[0.1, 0.2], [0.3, 0.4]], [0.0, 0.0])  # plain step 0.1 s at 0 tokens, 0.3 s at 1,000
+
+    def run(policy, seconds, qid, batch=1, load="none"):
+        return SimpleNamespace(policy=policy, batch_size=batch, steps=10, seconds=seconds, new_tokens=0,
+                               question_ids=[qid], load=load)
+
+    lens = {"short": 0, "long": 1000}
+    same = [run("none", 1.0, "short"), run("none", 3.0, "long"), run("static:3", 9.0, "short"),
+            run("none", 9.0, "short", batch=2), run("none", 9.0, "short", load="compute")]
+    assert plain_speed_ratio(same, lens, cost) == pytest.approx(1.0, rel=0.03)  # the model prices context buckets
+    assert machine_speed_warning(plain_speed_ratio(same, lens, cost), "p.json") is None
+    slow = [run("none", 2.0, "short"), run("none", 6.0, "long")]
+    line = machine_speed_warning(plain_speed_ratio(slow, lens, cost), "p.json")
+    assert re.match(r"plain decoding here takes (1\.9\d|2\.0\d)x the time the cost profile p\.json prices", line)
+    assert "\n" not in line
+    assert machine_speed_warning(1 / (SPEED_TOLERANCE + 0.01), "p") is not None
+    assert plain_speed_ratio([run("static:3", 1.0, "short")], lens, cost) is None

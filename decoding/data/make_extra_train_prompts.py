@@ -90,15 +90,22 @@ def document_qa(rng, pool) -> list[str]:
     return out
 
 
-def retrieval_qa(rng, pool) -> list[str]:
+def retrieval_prompts(rng, pool, count: int, min_chars: int, tag: str, frame) -> list[str]:
+    """`count` prompts over passages drawn from `pool` (`draw`, >= min_chars in all), numbered, each with its source
+    as `tag` formats it ('source: {}'), framed by `frame(passages, source)` around a question on one source."""
     out = []
-    for i in range(6):
-        parts = draw(rng, pool, MIN_CHARS)
+    for _ in range(count):
+        parts = draw(rng, pool, min_chars)
         source, _ = rng.choice(parts)
-        passages = "\n\n".join(f"[{j}] (source: {name})\n{p}" for j, (name, p) in enumerate(parts, 1))
-        out.append("Answer the question using only the retrieved passages, and cite the passage numbers you use.\n\n"
-                   f"Passages:\n\n{passages}\n\nQuestion: What does {source} do, and when would I use it?")
+        passages = "\n\n".join(f"[{j}] ({tag.format(name)})\n{p}" for j, (name, p) in enumerate(parts, 1))
+        out.append(frame(passages, source))
     return out
+
+
+def retrieval_qa(rng, pool) -> list[str]:
+    return retrieval_prompts(rng, pool, 6, MIN_CHARS, "source: {}", lambda passages, source: (
+        "Answer the question using only the retrieved passages, and cite the passage numbers you use.\n\n"
+        f"Passages:\n\n{passages}\n\nQuestion: What does {source} do, and when would I use it?"))
 
 
 def multi_turn(rng, pool) -> list[str]:

@@ -1,5 +1,5 @@
-"""Writes the `outside` split of prompts.jsonl: 24 prompts in the six kinds of the outside check that opened
-issue 14 (multi-turn chat, translation, summarisation of long passages, QA, math, retrieval-augmented answers
+"""Writes the `outside` split of prompts.jsonl: 24 prompts in the six kinds of the external check of the
+project (multi-turn chat, translation, summarisation of long passages, QA, math, retrieval-augmented answers
 over long contexts), written after the `ood` split had been looked at by category, from a source no other
 split draws on (PyTorch's documentation prose, hand-written everyday text). Never used for training, for
 tuning anything or for choosing between policies: it is the check no one has looked at before the numbers.
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from specpilot.decoding.data.make_extra_train_prompts import docstring_paragraphs, draw  # noqa: E402
+from specpilot.decoding.data.make_extra_train_prompts import docstring_paragraphs, draw, retrieval_prompts  # noqa: E402
 
 OUT = Path(__file__).with_name("prompts.jsonl")
 SEED = 20261203
@@ -105,15 +105,10 @@ def maths() -> list[str]:
 
 
 def retrieval(rng: random.Random, pool) -> list[str]:
-    out = []
-    for _ in range(4):
-        parts = draw(rng, pool, LONG_CHARS)
-        source, _ = rng.choice(parts)
-        passages = "\n\n".join(f"[{j}] ({name})\n{p}" for j, (name, p) in enumerate(parts, 1))
-        out.append("Use the retrieved passages below to answer the question, citing passage numbers.\n\n"
-                   f"{passages}\n\nQuestion: According to the passages, what is {source} for, and what should "
-                   "I watch out for when using it?")
-    return out
+    return retrieval_prompts(rng, pool, 4, LONG_CHARS, "{}", lambda passages, source: (
+        "Use the retrieved passages below to answer the question, citing passage numbers.\n\n"
+        f"{passages}\n\nQuestion: According to the passages, what is {source} for, and what should "
+        "I watch out for when using it?"))
 
 
 def main() -> None:
