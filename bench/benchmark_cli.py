@@ -259,12 +259,10 @@ def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [1]
     runs = run_batch_benchmark(target, draft, policies, prompts, sizes, cfg.max_new_tokens, cfg.repeats, sampling,
                                cfg.chat, cfg.progress, loads, _checkpoint(cfg), cfg.resume)
+    _speed_check(cfg, runs, prompts, target, device_key, draft)  # its unloaded runs
     summary = summarize_loads(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
-    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
-            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "device": device_key, "hardware": hardware_name,
-            "batch_sizes": sizes, "loads": loads, "policies": _policy_sources(policies)}
+    meta = _run_meta(cfg, target, draft, prompts, device_key, hardware_name, policies, batch_sizes=sizes, loads=loads)
     path = _save(cfg, argv, runs, summary, meta, "load_", lambda png: plot_load_benchmark(summary, png),
                  loads_markdown_report)
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) | batch sizes {sizes} | "
@@ -274,6 +272,13 @@ def _loads_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     _print_range_report(summary["input_range"])
     print(f"results: {path}")
     return 0
+
+
+def _run_meta(cfg, target, draft, prompts, device_key: str, hardware_name: str, policies: dict, **extra) -> dict:
+    """What a real-loop run's JSON and report record of how it ran (the policies: where each came from)."""
+    return {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
+            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "device": device_key, "hardware": hardware_name, **extra, "policies": _policy_sources(policies)}
 
 
 def _speed_check(cfg, runs, prompts, target, device_key: str, draft) -> None:
@@ -293,10 +298,7 @@ def _batch_benchmark(cfg, target, draft, sampling, policies: dict, prompts, devi
     _speed_check(cfg, runs, prompts, target, device_key, draft)
     summary = summarize_batches(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
-    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
-            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "device": device_key, "hardware": hardware_name,
-            "batch_sizes": sizes, "policies": _policy_sources(policies)}
+    meta = _run_meta(cfg, target, draft, prompts, device_key, hardware_name, policies, batch_sizes=sizes)
     path = _save(cfg, argv, runs, summary, meta, "batch_", lambda png: plot_batch_benchmark(summary, png),
                  batch_markdown_report)
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) | batch sizes {sizes} | "
@@ -453,10 +455,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     _speed_check(cfg, runs, prompts, target, device_key, draft)
     summary = summarize(runs, greedy=sampling.greedy)
     summary["input_range"] = _range_report(policies)
-    meta = {"target": target.name, "draft": getattr(draft, "name", None), "prompts": len(prompts), "split": cfg.split,
-            "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "device": device_key, "hardware": hardware_name,
-            "policies": _policy_sources(policies)}
+    meta = _run_meta(cfg, target, draft, prompts, device_key, hardware_name, policies)
     path = _save(cfg, argv, runs, summary, meta, "", lambda png: plot_benchmark(summary, runs, png), markdown_report)
     print(f"target {meta['target']} | draft {meta['draft']} | {len(prompts)} prompts ({cfg.split}) x {cfg.repeats} | "
           f"{cfg.max_new_tokens} new tokens | {meta['hardware']}")
