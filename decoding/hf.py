@@ -18,12 +18,16 @@ The same loop ships as a Hub-style folder (`CUSTOM_GENERATE_REPO/custom_generate
 `streamer=` through (transformers 5.x drops `streamer` before it reaches a callable: pass `specpilot_streamer=` to
 the callable instead).
 
+For transformers' own assisted loop (`prompt_lookup_num_tokens=` or `assistant_model=` users), the block
+`with policy_in_assisted_generation(model, "learned"):` sets its number of draft tokens per step from the policy.
+
 The caller's model is left as it was: `kernels="small-rows"` (opt-in) runs its linear layers through the
 project's CPU product (`SmallRowLinear`) for this call only and restores them after it, even on an error.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import torch
@@ -31,8 +35,9 @@ import torch
 from .drafters import NgramDrafter
 from .errors import SpecPilotError
 from .hardware import device_of
-from .loop import generate
+from .loop import BatchView, Row, StepResult, generate
 from .models import Target, load_draft, use_small_row_gemm
+from .observation import ObservationBuilder
 from .policies import LengthPolicy, parse_policy
 from .sampling import Sampling
 
@@ -180,3 +185,100 @@ def generate_from_folder(model, **arguments):
     streamer = arguments.pop("streamer", None)
     arguments = {k: v for k, v in arguments.items() if v is not None}
     return model.generate(custom_generate=specpilot_generate, specpilot_streamer=streamer, **arguments)
+
+
+class _LoopView(BatchView):
+    """What the observation builder reads of a DecodeState, for one sequence of transformers' assisted loop."""
+
+    def __init__(self, input_ids: torch.Tensor, prompt_len: int, max_new_tokens: int, lookup: NgramDrafter):
+        self.rows = [Row(input_ids[0], int(input_ids.shape[1]), prompt_len, max_new_tokens)]
+        self.active, self.draft, self.batched = [0], lookup, False
+
+
+class PolicyCandidates:
+    """transformers' candidate generator (prompt lookup's or an assistant model's) with its number of draft tokens
+    set before every step by a length policy, which sees the project's observation of the sequence (acceptance
+    history from transformers' `num_matches`, the measured draft and verify seconds, the context's n-gram match as
+    prompt lookup `ngram:3` sees it, the hardware counters). k = 0 makes the step a plain one."""
+
+    def __init__(self, base, policy: LengthPolicy, prompt_len: int, max_new_tokens: int):
+        self.base, self.policy = base, policy
+        self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
+        self.observer = ObservationBuilder(k_max=policy.k_max)
+        self.lookup = NgramDrafter(3)
+        self.ks: list[int] = []
+        """The k of every step, as drafted."""
+        self._started = False
+        self._pending: tuple | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def _set_count(self, k: int) -> None:
+        for attribute in ("num_output_tokens", "num_assistant_tokens"):
+            if hasattr(self.base, attribute):
+                setattr(self.base, attribute, k)
+
+    def get_candidates(self, input_ids: torch.Tensor, **kwargs):
+        if input_ids.shape[0] != 1:
+            raise SpecPilotError("transformers' assisted generation decodes one sequence; so does its policy")
+        view = _LoopView(input_ids, self.prompt_len, self.max_new_tokens, self.lookup)
+        if not self._started:
+            self.policy.reset()
+            self.observer.reset(view)
+            self._started = True
+        k = int(self.policy.choose_k(self.observer.build(view)))
+        t0 = time.perf_counter()
+        if k <= 0:
+            candidates, logits = input_ids, None
+        else:
+            self._set_count(k)
+            candidates, logits = self.base.get_candidates(input_ids, **kwargs)
+        drafted = int(candidates.shape[1] - input_ids.shape[1])
+        if drafted > k:  # a generator that proposes more than it was told: keep the first k
+            candidates = candidates[:, : input_ids.shape[1] + max(k, 0)]
+            logits = logits[:, : max(k, 0)] if logits is not None else None
+            drafted = max(k, 0)
+        now = time.perf_counter()
+        self._pending = (k, drafted, int(input_ids.shape[1]), now - t0, now)
+        self.ks.append(drafted)
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids: torch.Tensor, scores, num_matches: int) -> None:
+        k, drafted, before, draft_s, verified_from = self._pending
+        verify_s = time.perf_counter() - verified_from
+        if drafted:
+            self.base.update_candidate_strategy(input_ids, scores, num_matches)
+        new = input_ids[0, before:].tolist()
+        step = StepResult(k=drafted, k_requested=k, accepted=int(num_matches), new_tokens=new, draft_s=draft_s,
+                          verify_s=verify_s, context_len=before)
+        self.policy.update(step)
+        self.observer.push(step)
+
+
+@contextlib.contextmanager
+def policy_in_assisted_generation(model, policy="learned", k_max: int | None = None):
+    """Inside the block, transformers' own assisted generation on `model` (`prompt_lookup_num_tokens=`, or
+    `assistant_model=`) takes its number of draft tokens per step from `policy` (a spelling or a LengthPolicy; the
+    learned policy of this device for prompt lookup by default). Yields the list of PolicyCandidates the block's
+    `generate` calls made (their `ks`).
+
+    The route: transformers builds its candidate generator in `GenerationMixin._get_candidate_generator` (private,
+    checked on transformers 5.x by tests/test_hf_generate.py); the block wraps what it returns, on this model only,
+    and removes the wrapper after the block."""
+    original = model._get_candidate_generator
+    made: list[PolicyCandidates] = []
+    target = Target(model=model, tokenizer=None, name=str(getattr(model, "name_or_path", "")))
+    length_policy = policy if isinstance(policy, LengthPolicy) else _policy(policy, NgramDrafter(3), target, k_max)
+
+    def wrapped(generation_config, input_ids, *args, **kwargs):
+        base = original(generation_config, input_ids, *args, **kwargs)
+        prompt_len = int(input_ids.shape[1])
+        made.append(PolicyCandidates(base, length_policy, prompt_len, int(generation_config.max_length) - prompt_len))
+        return made[-1]
+
+    model._get_candidate_generator = wrapped
+    try:
+        yield made
+    finally:
+        del model._get_candidate_generator

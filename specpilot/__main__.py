@@ -15,6 +15,8 @@ COMMANDS = {
     "tune": ("specpilot.bench.tune_cli", "tune_main", "tune the engines' rules on the train split"),
     "export-vllm": ("specpilot.bench.export_cli", "export_vllm_main", "a policy as vLLM's / TensorRT-LLM's tables"),
     "distill": ("specpilot.distill.distill_cli", "main", "train the draft head for a target"),
+    "transformers-report": ("specpilot.bench.transformers_cli", "transformers_main",
+                            "speculative decoding inside transformers' generate, measured"),
 }
 
 

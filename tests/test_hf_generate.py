@@ -172,3 +172,46 @@ def test_the_transformers_version_is_one_this_entry_point_was_checked_with():
     arguments reach it by its signature, `streamer` does not); another major version must be checked again."""
     major = int(transformers.__version__.split(".")[0])
     assert major == 5, transformers.__version__
+
+
+@pytest.mark.embedded
+def test_transformers_assisted_loop_takes_its_draft_length_from_the_policy(hf):
+    """Inside `policy_in_assisted_generation`, transformers' own prompt lookup drafts exactly what the policy asks
+    each step (static:2: never more than 2, and 2 where the lookup finds that much; static:0: nothing), stays
+    token-identical to plain greedy decoding, and the model is unpatched after the block."""
+    from specpilot.decoding.hf import policy_in_assisted_generation
+
+    model, tokenizer, texts = hf
+    inputs = tokenizer(texts[2], return_tensors="pt")
+    expected = plain(model, inputs, max_new_tokens=32)
+    for spelling in ("static:2", "learned", "static:0"):
+        with policy_in_assisted_generation(model, spelling) as made:
+            got = plain(model, inputs, max_new_tokens=32, prompt_lookup_num_tokens=10)
+        assert torch.equal(got, expected), spelling
+        assert len(made) == 1 and "_get_candidate_generator" not in vars(model)
+        ks = made[0].ks
+        if spelling == "static:2":
+            assert max(ks) == 2 and set(ks) <= {0, 1, 2}
+        if spelling == "static:0":
+            assert set(ks) == {0}
+    with policy_in_assisted_generation(model, "static:2"):
+        pass
+    assert "_get_candidate_generator" not in vars(model)
+
+
+def test_the_transformers_report_pairs_speedups_within_each_repeat():
+    """bench.transformers_cli.summarize: per repeat the baseline's total seconds over the row's (the same prompts in
+    the same pass), their geometric mean with a t interval; one output unlike transformers' greedy marks the row."""
+    from specpilot.bench.transformers_cli import summarize
+
+    seconds = {"hf:plain": [2.0, 3.0, 2.0], "sp:none": [1.6, 2.4, 1.6], "sp:learned": [1.0, 1.5, 1.25]}
+    rows = [{"policy": name, "repeat": r, "question_id": q, "seconds": s / 2, "identical": not (name == "sp:learned"
+                                                                                                 and r == 2 and q == "b")}
+            for name, per in seconds.items() for r, s in enumerate(per) for q in ("a", "b")]
+    table = summarize(rows, ["hf:plain", "sp:none"])
+    cell = table["sp:learned"]["over hf:plain"]
+    assert cell["per_repeat"] == [2.0, 2.0, 1.6]
+    assert cell["ratio"] == pytest.approx((2.0 * 2.0 * 1.6) ** (1 / 3), abs=1e-4) and cell["interval"][0] < cell["ratio"]
+    assert table["sp:learned"]["over sp:none"]["per_repeat"] == [1.6, 1.6, 1.28]
+    assert table["sp:learned"]["identical"] is False and table["sp:none"]["identical"] is True
+    assert table["hf:plain"]["over hf:plain"]["interval"] == [1.0, 1.0]

@@ -47,7 +47,7 @@ def test_the_wheel_has_one_top_level_name_and_ships_the_artifacts(installed):
     assert tops == {"specpilot"}, tops
     for shipped in ("specpilot/policies/cpu-amd-epyc-2c/ngram-3/policy.json", "specpilot/drafts/smollm2-135m-head/draft_head.json",
                     "specpilot/profiles/traces-ngram-3.json", "specpilot/decoding/data/prompts.jsonl",
-                    "specpilot/agents/hyperparams.yaml"):
+                    "specpilot/agents/hyperparams.yaml", "specpilot/decoding/hub/custom_generate/generate.py"):
         assert shipped in names, shipped
     meta = json.loads(zipfile.ZipFile(wheel).read("specpilot/policies/cpu-amd-epyc-2c/ngram-3/policy.json"))
     assert meta["weights"] in {Path(n).name for n in names}
