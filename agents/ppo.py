@@ -125,6 +125,43 @@ def warm_start(model, venv, layers: list[tuple[np.ndarray, np.ndarray]], norm: d
     venv.obs_rms.var = np.asarray(norm["var"], dtype=np.float64)
 
 
+def fit_value_to_policy(model, rollouts: int, epochs: int = 10, rounds: int = 2) -> dict:
+    """Before PPO's first update from a warm start: collect `rollouts` rollouts with the policy as it is (the
+    warm start) and fit only the value network to their returns, `rounds` times (the GAE returns bootstrap from the
+    value net, so they are recomputed with the fitted one), so that the first advantages are measured against that
+    policy's value, not a random net's. The policy network is not touched. The env steps count in the run's budget
+    (model.num_timesteps). Returns the value's explained variance of the returns before and after."""
+    from stable_baselines3.common.utils import explained_variance
+
+    if rollouts < 1:
+        return {}
+    policy, buffer = model.policy, model.rollout_buffer
+    params = list(policy.mlp_extractor.value_net.parameters()) + list(policy.value_net.parameters())
+    optimizer = torch.optim.Adam(params, lr=float(model.lr_schedule(1.0)))
+    _, callback = model._setup_learn(rollouts * model.n_steps * model.n_envs, None, True, "value-prefit", False)
+    callback.on_training_start(locals(), globals())
+    history = {}
+    for r in range(rollouts):
+        model.collect_rollouts(model.env, callback, buffer, n_rollout_steps=model.n_steps)
+        for step in range(rounds):
+            values = buffer.values.flatten()
+            history.setdefault("explained_variance_before", float(explained_variance(values, buffer.returns.flatten())))
+            for _ in range(epochs):
+                for data in buffer.get(model.batch_size):
+                    loss = torch.nn.functional.mse_loss(policy.predict_values(data.observations).flatten(), data.returns)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+            with torch.no_grad():  # the returns again, bootstrapped from the fitted values
+                obs = torch.as_tensor(buffer.observations.reshape(-1, *buffer.obs_shape), dtype=torch.float32)
+                buffer.values = policy.predict_values(obs).numpy().reshape(buffer.values.shape)
+                last = policy.predict_values(torch.as_tensor(model._last_obs, dtype=torch.float32))
+            buffer.compute_returns_and_advantage(last_values=last, dones=model._last_episode_starts)
+    history["explained_variance_after"] = float(explained_variance(buffer.values.flatten(), buffer.returns.flatten()))
+    callback.on_training_end()
+    return history
+
+
 def split_budget(total: int, weights: list[float]) -> list[int]:
     """`total` env steps split in proportion to `weights` (all to the last phase when they sum to 0);
     the parts add up to `total` exactly."""
@@ -308,6 +345,12 @@ def train(
                 model = make_ppo(venv, hp, seed, tb_log)
                 if init is not None:
                     warm_start(model, venv, *init)
+                    venv.training = False  # the warm start's statistics stay (as below), also while the value fits
+                    prefit = fit_value_to_policy(model, int(hp.get("value_prefit_rollouts") or 0))
+                    if prefit:
+                        print(f"specpilot: value net fitted to the warm start's returns: explained variance "
+                              f"{prefit['explained_variance_before']:.2f} -> {prefit['explained_variance_after']:.2f}",
+                              file=sys.stderr)
             else:  # next phase: same policy and observation statistics, new env
                 fresh.obs_rms = venv.obs_rms
                 venv.close()

@@ -11,6 +11,7 @@ import numpy as np
 
 from specpilot.bench.batch_table import BatchContextTableK
 from specpilot.bench.benchmark import format_table, run_benchmark, summarize
+from specpilot.bench.paired_cli import paired_ratios
 from specpilot.bench.tune_cli import rules_policy, tune_rules
 from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
 from specpilot.decoding.errors import SpecPilotError
@@ -30,6 +31,7 @@ from specpilot.decoding.policies import (
     HeuristicK,
     NoSpeculation,
     StaticK,
+    at_or_below,
 )
 from specpilot.decoding.prompts import load_prompts, per_category
 from specpilot.decoding.tracking import log_rows
@@ -98,6 +100,8 @@ class TrainConfig:
     """Held-out (test split) prompts per category for the final evaluation (0 = skip it)."""
     eval_max_new_tokens: int = 48
     """Tokens per prompt in the final evaluation."""
+    eval_repeats: int = 3
+    """Paired repeats of the final evaluation (policies interleaved; learned / best-rule gets a t interval)."""
     dtype: str = "auto"
     """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
     progress: bool = True
@@ -366,7 +370,9 @@ def load_replay_data(run: Run) -> ReplayData:
     """Phase 2 (replay modes): the cost profile, the train split's traces and the machine conditions, read once."""
     profile_file, traces_file = _default_paths(run.cfg, run.device_key, run.draft.name)
     profile = load_profile(profile_file, run.device_key)
-    traces, _ = load_draft_traces(traces_file, run.draft.name)
+    # acceptance belongs to the (target, draft) pair: another pair's traces are refused (a simulated chip replays
+    # the embedded pair's, by design)
+    traces, _ = load_draft_traces(traces_file, run.draft.name, target_name=None if run.simulated else run.target.name)
     train_ids = {p.question_id for p in run.train_prompts}
     traces = [t for t in traces if t.question_id in train_ids]  # never the test split
     if not traces:
@@ -576,37 +582,41 @@ def defer_phase(run: Run, meta_path: Path) -> None:
 
 
 def evaluate_phase(run: Run, learned: LearnedK) -> None:
-    """Phase 10: the exported policy beside plain decoding, static k, the heuristic and the best tuned rule on held-out
-    (test split) prompts, interleaved; run/eval.json and a W&B table."""
+    """Phase 10: the exported policy beside plain decoding and the rule it has to beat (the best tuned rule; without a
+    replay phase, static k and the heuristic) on held-out (test split) prompts, interleaved, in paired repeats:
+    learned / that rule with its 95% interval; identical policies named once. run/eval.json and a W&B table."""
     cfg = run.cfg
-    held_out = per_category(run.test_prompts, cfg.eval_per_category)
-    if cfg.quick:
-        held_out = held_out[:2]
-    statics = sorted({k for k in (1, 2, 3, 4, 6, run.k_max) if k <= run.k_max})
-    policies = {"none": NoSpeculation(), **{f"static:{k}": StaticK(k) for k in statics},
-                "heuristic": HeuristicK(run.k_max), "learned": learned}
-    if cfg.quick:
-        policies = {n: p for n, p in policies.items() if n in ("none", "static:3", "learned")}
-    if run.mode in ("replay", "both"):  # the rule the learned policy has to beat
-        policies["best-rule"] = best_rule_phase(run)
-    runs = run_benchmark(run.target, run.draft, policies, held_out, cfg.eval_max_new_tokens, 1, progress=cfg.progress)
+    at_least(1, eval_repeats=cfg.eval_repeats)
+    held_out = per_category(run.test_prompts, cfg.eval_per_category)[: 2 if cfg.quick else None]
+    policies = {"none": NoSpeculation(), "learned": learned}
+    if run.mode in ("replay", "both"):
+        versus = "best-rule"
+        policies[versus] = best_rule_phase(run)
+    else:  # no tuned rule without a replay phase: the static k and the heuristic
+        policies.update({f"static:{k}": StaticK(k) for k in sorted({k for k in (1, 2, 3, 4, 6, run.k_max) if k <= run.k_max})})
+        policies["heuristic"] = HeuristicK(run.k_max)
+        versus = None
+    repeats = cfg.eval_repeats
+    runs = run_benchmark(run.target, run.draft, policies, held_out, cfg.eval_max_new_tokens, repeats, progress=cfg.progress)
     summary = summarize(runs)
     table = summary["table"]
-    best_static = max((n for n in policies if n.startswith("static:")), key=lambda n: table[n]["overall"]["tokens_per_s"])
-    row, best = table["learned"]["overall"], table[best_static]["overall"]
+    if versus is None:
+        versus = max((n for n in policies if n not in ("none", "learned")), key=lambda n: table[n]["overall"]["tokens_per_s"])
     print(format_table(summary))
-    print(f"learned vs best static ({best_static}): {row['tokens_per_s'] / best['tokens_per_s']:.3f}x tokens/s; "
-          + (f"vs heuristic: {row['tokens_per_s'] / table['heuristic']['overall']['tokens_per_s']:.3f}x; "
-             if "heuristic" in table else "")
-          + f"vs plain: {row['speedup']:.3f}x"
-          + (f"; vs best-rule: {row['tokens_per_s'] / table['best-rule']['overall']['tokens_per_s']:.3f}x"
-             if "best-rule" in table else "")
-          + f" ({len(held_out)} test prompts, one run: a first look, not a measurement; scripts/benchmark.py measures)")
+    same = at_or_below(learned.defer, 1) if learned.defer else None
+    cell = paired_ratios([asdict(r) for r in runs], "learned", versus).get("B=1", {})
+    interval = cell.get("interval")
+    verdict = (f"learned / {versus}: {cell.get('ratio', float('nan')):.3f}"
+               + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "") + f" ({len(held_out)} test prompts x "
+               f"{repeats} paired repeats; a first look: scripts/benchmark.py measures)")
+    if same is not None and versus == "best-rule":
+        verdict += f"; at one row the policy defers to {getattr(same, 'name', same)}, so the two are one policy here"
+    print(verdict)
     log_rows(cfg.track, cfg.wandb_project, run.run_dir, {"device": run.device_key, "draft": run.draft.name,
                                                          "prompts": [p.question_id for p in held_out]}, "eval",
              summary={f"{name}/{key}": value for name, r in table.items()
                       for key, value in r["overall"].items() if isinstance(value, (int, float))})
-    atomic_write_text(run.run_dir / "eval.json", json.dumps({"summary": summary, "best_static": best_static,
+    atomic_write_text(run.run_dir / "eval.json", json.dumps({"summary": summary, "versus": versus, "learned_over": cell,
                                                              "prompts": [p.question_id for p in held_out]}, indent=1))
 
 

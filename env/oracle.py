@@ -117,13 +117,23 @@ def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
     return traces, data.get("meta", {})
 
 
+def model_identity(name: str) -> str:
+    """A target's name without the kernel mark its loader adds (' [small-rows gemm]'): the weights, not the path."""
+    return name.split(" [")[0].strip()
+
+
 def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0,
-                      temperature: float | None = None) -> tuple[list[Trace], dict]:
-    """The traces at `path`, checked to be this draft's, to hold at least `min_tokens` per prompt and, unless
-    `temperature` is None, to be recorded at that temperature (0: greedy)."""
+                      temperature: float | None = None, target_name: str | None = None) -> tuple[list[Trace], dict]:
+    """The traces at `path`, checked to be this draft's (and, with `target_name`, this target's: acceptance is a
+    property of the pair), to hold at least `min_tokens` per prompt and, unless `temperature` is None, to be
+    recorded at that temperature (0: greedy)."""
     traces, meta = load_traces(path)
     if meta.get("draft") != draft_name:
         raise SpecPilotError(f"traces {path} were recorded with draft '{meta.get('draft')}', not '{draft_name}'")
+    recorded = model_identity(str(meta.get("target") or ""))
+    if target_name is not None and recorded and recorded != model_identity(target_name):
+        raise SpecPilotError(f"traces {path} were recorded with target '{recorded}', not '{model_identity(target_name)}': "
+                             "record this pair's (python scripts/profile_device.py --target T --draft D) or pass --traces")
     if meta.get("max_new_tokens", 0) < min_tokens:
         raise SpecPilotError(f"traces {path} hold {meta.get('max_new_tokens')} tokens per prompt, fewer than {min_tokens}")
     if temperature is not None and trace_temperature(meta) != temperature:

@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_target
+from conftest import stretch_traces, tiny_target
 
 from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
 from specpilot.decoding.errors import SpecPilotError
@@ -442,3 +442,19 @@ def test_a_machine_far_from_its_profiles_speed_is_named_in_one_warning():
     assert "\n" not in line
     assert machine_speed_warning(1 / (SPEED_TOLERANCE + 0.01), "p") is not None
     assert plain_speed_ratio([run("static:3", 1.0, "short")], lens, cost) is None
+
+
+def test_traces_of_another_target_are_refused_in_one_line(tmp_path):
+    """Acceptance belongs to the (target, draft) pair: traces recorded with another target are a one-line error;
+    the same weights through another kernel (the loader's ' [small-rows gemm]' mark) are the same target."""
+    from specpilot.env.oracle import load_draft_traces, save_traces
+
+    path = tmp_path / "traces.json"
+    made = stretch_traces(4, 3, 36)
+    save_traces(made, path, {"target": "Model-A (weights x)", "draft": "ngram:3", "k_max": 4, "max_new_tokens": 36})
+    traces, _ = load_draft_traces(path, "ngram:3", target_name="Model-A (weights x) [small-rows gemm]")
+    assert len(traces) == len(made)
+    with pytest.raises(SpecPilotError) as error:
+        load_draft_traces(path, "ngram:3", target_name="Model-B")
+    assert "recorded with target 'Model-A (weights x)', not 'Model-B'" in str(error.value)
+    assert "\n" not in str(error.value)

@@ -72,3 +72,25 @@ def test_with_the_advantage_sign_flipped_ppo_does_not_learn(monkeypatch):
     monkeypatch.setattr(RolloutBuffer, "compute_returns_and_advantage", flipped)
     before, after = train_ppo(STEPS)
     assert after < 0.9 and after <= before + 0.02, (before, after)
+
+
+def test_the_value_net_is_fitted_to_the_warm_starts_returns_and_the_policy_is_untouched():
+    """agents.ppo.fit_value_to_policy (YAML `value_prefit_rollouts`): before PPO's first update from a warm start the
+    value net learns that policy's returns (explained variance from ~0 to > 0.5), and the policy network keeps every
+    weight, so the first advantages measure the warm start against its own value, not a random net's."""
+    import torch
+
+    from specpilot.agents.ppo import fit_value_to_policy
+
+    traces = stretch_traces(K, 8, LENGTH)
+    hp = load_hyperparams("cpu", {"n_steps": 256, "batch_size": 64, "net_arch": [32, 32], "gamma": 0.2})
+    venv = make_vec_env(lambda: ReplayEnv(traces, cost(), k_max=K, noise=0.0, max_new_tokens=LENGTH), 0)
+    model = make_ppo(venv, hp, 0, None)
+    model.policy.action_net.bias.data[1] = 4.0  # the "warm start": k = 1
+    policy_before = [p.detach().clone() for p in list(model.policy.mlp_extractor.policy_net.parameters())
+                     + list(model.policy.action_net.parameters())]
+    history = fit_value_to_policy(model, rollouts=2)
+    assert history["explained_variance_before"] < 0.2 < 0.5 < history["explained_variance_after"], history
+    after = list(model.policy.mlp_extractor.policy_net.parameters()) + list(model.policy.action_net.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(policy_before, after))
+    assert model.num_timesteps == 2 * 256  # its env steps count in the run's budget
