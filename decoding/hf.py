@@ -98,9 +98,8 @@ def _drafter(draft, target: Target):
 def _policy(policy, drafter, target: Target, k_max: int | None) -> LengthPolicy:
     if isinstance(policy, LengthPolicy):
         return policy
-    name = getattr(drafter, "name", None)
-    draft = name if isinstance(drafter, NgramDrafter) or name == "default" else None
-    kwargs = {"device": device_of(str(target.device))[0], "draft": draft}
+    # a learned policy is refused for another drafter than it was trained with (its acceptance features differ)
+    kwargs = {"device": device_of(str(target.device))[0], "draft": getattr(drafter, "name", None)}
     return parse_policy(str(policy), **({"k_max": k_max} if k_max else {}), **kwargs)
 
 

@@ -129,6 +129,7 @@ def test_the_callers_model_is_left_as_it_was(hf):
     ({"draft": "bogus-model"}, "draft='bogus-model'"),
     ({"policy": "static:99"}, "outside [0, k_max"),
     ({"kernels": "fast"}, "kernels='fast'"),
+    ({"draft": "default", "policy": "learned"}, "and draft 'default'"),
 ])
 def test_bad_arguments_are_one_line_errors(hf, kwargs, message):
     model, tokenizer, texts = hf
