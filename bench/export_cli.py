@@ -10,7 +10,7 @@ from specpilot.decoding.config import parse_config, parse_ints, warn
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import resolve_device
 from specpilot.decoding.models import draft_name
-from specpilot.decoding.paths import atomic_write_text, policy_dir, profile_path, relative, traces_path
+from specpilot.decoding.paths import atomic_write_text, output_dir, policy_dir, profile_path, relative, traces_path
 from specpilot.decoding.policies import parse_policy, resolve_k_max
 from specpilot.env.oracle import (
     CostModel,
@@ -105,7 +105,7 @@ def export_vllm_main(argv: list[str] | None = None) -> int:
             by_cell.update({(b, c): k for b, k in chosen_c.items()})
         result["num_speculative_tokens_per_batch_size_and_context"] = BatchContextTableK(by_cell, cfg.k_max).vllm_entries(
             cfg.max_batch, max(contexts) * 2 - 1)
-    out = Path(cfg.out) if cfg.out else policy_dir(device, draft_name(cfg.draft)) / "vllm_table.json"
+    out = Path(cfg.out) if cfg.out else policy_dir(device, draft_name(cfg.draft), output_dir("policies")) / "vllm_table.json"
     atomic_write_text(out, json.dumps(result, indent=1) + "\n")
     schedule = {"draft_len_schedule": {str(b): k for b, k in trtllm_schedule(chosen).items()},
                 "note": "TensorRT-LLM: batch size -> draft length, a key covering the sizes up to it; above the largest "

@@ -14,7 +14,7 @@ from specpilot.decoding.config import at_least, parse_config, parse_ints
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import resolve
 from specpilot.decoding.models import ModelDrafter, load_draft, load_target, random_init_target
-from specpilot.decoding.paths import atomic_write_text, slug, traces_path
+from specpilot.decoding.paths import atomic_write_text, output_dir, slug, traces_path
 from specpilot.decoding.policies import DEFAULT_K_MAX
 from specpilot.decoding.prompts import load_prompts
 from specpilot.decoding.sampling import Sampling
@@ -86,8 +86,9 @@ class ProfileConfig:
     are kept beside it) | none (the medians as measured)."""
     refit: str | None = None
     """Refit the grid of this existing profile file with --context-fit and rewrite it in place; nothing runs."""
-    out: str = "profiles"
-    """Folder for <device>.json, <device>.png and the traces."""
+    out: str = ""
+    """Folder for <device>.json, <device>.png and the traces (default: profiles/ in the working directory when it has
+    one, as a checkout does, else the user folder's)."""
     progress: bool = True
     """Show a progress bar."""
     simulate: str | None = None
@@ -135,7 +136,7 @@ def profile_main(argv: list[str] | None = None) -> int:
         draft = ModelDrafter(draft_target.model, draft_target.name, target.vocab_size)
     else:
         draft = load_draft(cfg.draft, target, cfg.dtype)
-    out = Path(cfg.out)
+    out = Path(cfg.out or output_dir("profiles"))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.costs:
         if cfg.background_load not in LOADS:
@@ -214,7 +215,7 @@ def _simulate(cfg) -> int:
                                parse_ints(cfg.simulate_batch_sizes, "--simulate-batch-sizes"),
                                parse_ints(cfg.simulate_context_lens, "--simulate-context-lens"), cfg.condition)
     suffix = "" if cfg.condition == "none" else f"-{cfg.condition}"
-    path = save_profile(profile, Path(cfg.out) / f"{profile['device']}{suffix}-simulated.json")
+    path = save_profile(profile, Path(cfg.out or output_dir("profiles")) / f"{profile['device']}{suffix}-simulated.json")
     print(f"SIMULATED cost profile of {profile['hardware_name']}: {path} (roofline model, not a measurement)")
     print_grid(profile["grid"], cfg.k_max)
     if cfg.compare:

@@ -17,6 +17,7 @@ from specpilot.decoding.config import ReplayInputs, at_least, parse_config, pars
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.paths import (
     atomic_write_text,
+    output_dir,
     profile_path,
     relative,
     rules_path,
@@ -137,7 +138,7 @@ def tune_main(argv: list[str] | None = None) -> int:
     warn(CostModel.from_profile(profile).outside(sizes))
     result = tune_rules(traces, profile, cfg.draft, cfg.k_max, profile_hardware(profile), sizes, cfg.max_new_tokens,
                         cfg.progress)
-    out = Path(cfg.out) if cfg.out else rules_path(cfg.device, cfg.draft, cfg.temperature)
+    out = Path(cfg.out) if cfg.out else rules_path(cfg.device, cfg.draft, cfg.temperature, output_dir("policies"))
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": cfg.device, "draft": cfg.draft, "temperature": cfg.temperature, "split": "train", "traces": len(traces),
            "profile": relative(source), "max_new_tokens": cfg.max_new_tokens, "k_max": cfg.k_max,

@@ -69,8 +69,8 @@ def cpu_cores() -> int:
 
 def cpu_key(name: str | None = None, cores: int | None = None) -> str:
     """This CPU's machine key, from its model and core count: 'AMD EPYC' on 2 cores -> 'cpu-amd-epyc-2c'.
-    A CPU's profile, rules and policy live under it (the measured plain-step speed is recorded in the profile
-    and checked when a policy is loaded, see `specpilot.decoding.paths.speed_warning`)."""
+    A CPU's profile, rules and policy live under it (the measured plain-step speed is recorded in the profile, and
+    the benchmark warns when this machine's differs: `specpilot.bench.replay_check.machine_speed_warning`)."""
     model = re.sub(r"\((r|tm)\)|\b(cpu|processor)\b|@.*$", " ", (name or cpu_name()).lower())
     model = re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "unknown"
     return f"cpu-{model}-{cores or cpu_cores()}c"

@@ -36,7 +36,7 @@ from .drafters import NgramDrafter
 from .errors import SpecPilotError
 from .hardware import device_of
 from .loop import BatchView, Row, StepResult, generate
-from .models import Target, load_draft, use_small_row_gemm
+from .models import SmallRowLinear, Target, load_draft, use_small_row_gemm
 from .observation import ObservationBuilder
 from .policies import LengthPolicy, parse_policy
 from .sampling import Sampling
@@ -108,17 +108,16 @@ def kernels_for(model, kernels: str | None):
     """The project's CPU kernels on `model` for the duration of the block (opt-in), undone after it."""
     if kernels not in KERNELS:
         raise SpecPilotError(f"kernels={kernels!r}: one of {', '.join(map(repr, KERNELS))}")
-    swapped = kernels == "small-rows" and model.device.type == "cpu"
+    # swapped only where the caller has not swapped it already (then it stays as the caller left it)
+    swapped = (kernels == "small-rows" and model.device.type == "cpu"
+               and not any(isinstance(m, SmallRowLinear) for m in model.modules()))
     if swapped:
-        already = {id(m) for m in model.modules() if type(m).__name__ == "SmallRowLinear"}
         use_small_row_gemm(model)
     try:
         yield
     finally:
         if swapped:
-            for m in model.modules():  # back to nn.Linear, except where the caller had it already
-                if type(m).__name__ == "SmallRowLinear" and id(m) not in already:
-                    m.__class__ = torch.nn.Linear
+            use_small_row_gemm(model, on=False)
 
 
 def specpilot_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,

@@ -81,9 +81,10 @@ def traces_path(draft_name: str, temperature: float = 0.0) -> Path:
     return find_artifact(PROFILES / f"traces-{slug(draft_name)}{temperature_suffix(temperature)}.json")
 
 
-def rules_path(device_key: str, draft_name: str, temperature: float = 0.0) -> Path:
-    """policies/DEVICE/DRAFT/rules.json: the rules tuned on greedy traces; rules-tT.json on sampled ones at T."""
-    return policy_dir(device_key, draft_name) / f"rules{temperature_suffix(temperature)}.json"
+def rules_path(device_key: str, draft_name: str, temperature: float = 0.0, root: str | Path | None = None) -> Path:
+    """policies/DEVICE/DRAFT/rules.json: the rules tuned on greedy traces; rules-tT.json on sampled ones at T (found
+    in the lookup roots, or below `root`: where a command writes them, see `output_dir`)."""
+    return policy_dir(device_key, draft_name, root) / f"rules{temperature_suffix(temperature)}.json"
 
 
 def temperature_suffix(temperature: float) -> str:

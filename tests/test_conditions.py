@@ -186,3 +186,18 @@ def test_a_cpu_without_its_own_policy_takes_another_cpus_with_a_warning(tmp_path
     assert len(lines) == 1 and "no policy for this machine (cpu-other-model-64c)" in lines[0]
     with pytest.raises(SpecPilotError, match="no learned policy for device 'a6000'"):
         default_policy_path("a6000", "ngram:3")
+
+
+def test_commands_write_to_the_working_directorys_folder_else_the_user_folder(tmp_path, monkeypatch):
+    """`output_dir`: a working directory with its own policies/ (a checkout) gets the files; any other goes to the
+    user folder ($SPECPILOT_HOME), never into the installed package."""
+    from specpilot.decoding.paths import output_dir, package_dir, rules_path
+
+    monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert output_dir("policies") == tmp_path / "home" / "policies"
+    written = rules_path("cpu-x-1c", "ngram:3", 0.0, output_dir("policies"))
+    assert written == tmp_path / "home" / "policies" / "cpu-x-1c" / "ngram-3" / "rules.json"
+    assert package_dir("policies") not in written.parents
+    (tmp_path / "policies").mkdir()
+    assert str(output_dir("policies")) == "policies"

@@ -457,6 +457,7 @@ def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
                                            "turns": [p.text]}) + "\n"
                                for p, s in zip(SMALL_PROMPTS, ["train", "train", "test", "train", "test", "train"])))
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "profiles").mkdir()  # a working directory with its own profiles/: commands write there
     assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
                          "--k-max", "4", "--context-lens", "32,256", "--repeats", "2", "--prompts", str(prompts),
                          "--max-new-tokens", "12", "--batch-sizes", "1,2", "--no-progress"]) == 0
@@ -551,6 +552,7 @@ def test_benchmark_end_to_end(tiny_model_dirs, trained, tmp_path, monkeypatch, c
     prompts.write_text("".join(json.dumps({"question_id": p.question_id, "category": p.category, "split": "test",
                                            "turns": [p.text]}) + "\n" for p in SMALL_PROMPTS[:3]))
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "profiles").mkdir()  # a working directory with its own profiles/: commands write there
     assert profile_main(["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
                          "--k-max", "4", "--context-lens", "32,256", "--repeats", "2", "--prompts", str(prompts),
                          "--max-new-tokens", "12", "--batch-sizes", "1,2,3", "--no-progress"]) == 0
