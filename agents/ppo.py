@@ -125,12 +125,12 @@ def warm_start(model, venv, layers: list[tuple[np.ndarray, np.ndarray]], norm: d
     venv.obs_rms.var = np.asarray(norm["var"], dtype=np.float64)
 
 
-def fit_value_to_policy(model, rollouts: int, epochs: int = 10, rounds: int = 2) -> dict:
-    """Before PPO's first update from a warm start: collect `rollouts` rollouts with the policy as it is (the
-    warm start) and fit only the value network to their returns, `rounds` times (the GAE returns bootstrap from the
-    value net, so they are recomputed with the fitted one), so that the first advantages are measured against that
-    policy's value, not a random net's. The policy network is not touched. The env steps count in the run's budget
-    (model.num_timesteps). Returns the value's explained variance of the returns before and after."""
+def fit_value_to_policy(model, rollouts: int, epochs: int = 10) -> dict:
+    """Before PPO's first update from a warm start: collect `rollouts` rollouts with the policy as it is (the warm
+    start) and after each fit only the value network to its returns (each rollout's GAE returns bootstrap from the
+    value fitted on the ones before), so that the first advantages are measured against that policy's value, not a
+    random net's. The policy network is not touched. The env steps count in the run's budget (model.num_timesteps).
+    Returns the value's explained variance of the returns on the first rollout before and the last one after."""
     from stable_baselines3.common.utils import explained_variance
 
     if rollouts < 1:
@@ -141,23 +141,20 @@ def fit_value_to_policy(model, rollouts: int, epochs: int = 10, rounds: int = 2)
     _, callback = model._setup_learn(rollouts * model.n_steps * model.n_envs, None, True, "value-prefit", False)
     callback.on_training_start(locals(), globals())
     history = {}
-    for r in range(rollouts):
+    for _ in range(rollouts):
         model.collect_rollouts(model.env, callback, buffer, n_rollout_steps=model.n_steps)
-        for step in range(rounds):
-            values = buffer.values.flatten()
-            history.setdefault("explained_variance_before", float(explained_variance(values, buffer.returns.flatten())))
-            for _ in range(epochs):
-                for data in buffer.get(model.batch_size):
-                    loss = torch.nn.functional.mse_loss(policy.predict_values(data.observations).flatten(), data.returns)
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-            with torch.no_grad():  # the returns again, bootstrapped from the fitted values
-                obs = torch.as_tensor(buffer.observations.reshape(-1, *buffer.obs_shape), dtype=torch.float32)
-                buffer.values = policy.predict_values(obs).numpy().reshape(buffer.values.shape)
-                last = policy.predict_values(torch.as_tensor(model._last_obs, dtype=torch.float32))
-            buffer.compute_returns_and_advantage(last_values=last, dones=model._last_episode_starts)
-    history["explained_variance_after"] = float(explained_variance(buffer.values.flatten(), buffer.returns.flatten()))
+        history.setdefault("explained_variance_before",
+                           float(explained_variance(buffer.values.flatten(), buffer.returns.flatten())))
+        for _ in range(epochs):
+            for data in buffer.get(model.batch_size):  # (get flattens the buffer; the next rollout resets it)
+                loss = torch.nn.functional.mse_loss(policy.predict_values(data.observations).flatten(), data.returns)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    with torch.no_grad():
+        obs = torch.as_tensor(buffer.observations.reshape(-1, *buffer.obs_shape), dtype=torch.float32)
+        fitted = policy.predict_values(obs).numpy().flatten()
+    history["explained_variance_after"] = float(explained_variance(fitted, buffer.returns.flatten()))
     callback.on_training_end()
     return history
 

@@ -126,8 +126,9 @@ class TrainConfig:
 
 
 QUICK_HP = {"rollout_rounds": 1, "rollout_epochs": 20, "rollout_workers": 1, "n_steps": 64, "batch_size": 32,
-            "n_epochs": 2, "checkpoint_every": 64, "replay_checkpoint_every": 64, "replay_warmup_timesteps": 0}
-"""What --quick sets over the YAML: one round of a short fit, small PPO rollouts (with --timesteps)."""
+            "n_epochs": 2, "checkpoint_every": 64, "replay_checkpoint_every": 64, "replay_warmup_timesteps": 0,
+            "replay_timesteps": 512, "value_prefit_rollouts": 1}
+"""What --quick sets over the YAML: one round of a short fit, a few small PPO rollouts."""
 QUICK_EPISODES, QUICK_TRACES, QUICK_BATCH_SIZES = 4, 24, [1, 2]
 
 
