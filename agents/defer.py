@@ -31,7 +31,8 @@ from .ppo import load_hyperparams
 
 @dataclass
 class DeferConfig(ReplayInputs):
-    """Write where a learned policy defers to the tuned rule (its `defer` table), from the train-split replay."""
+    """Write where a learned policy defers to the tuned rule (its `defer` table), from the train-split replay (less
+    the prompts its training run held out to pick the phase: the run's own deferral)."""
 
     policy: str | None = None
     """policy.json to gate (default: policies/DEVICE/DRAFT/policy.json)."""
@@ -92,12 +93,13 @@ def defer_main(argv: list[str] | None = None) -> int:
     budget = int(mlp.meta.get("max_new_tokens") or hp["max_new_tokens"])
     profile = load_profile(profile_path(cfg.device, cfg.draft), cfg.device)
     traces, trace_meta = load_traces(traces_path(cfg.draft))
-    train = [truncate(t, budget) for t in train_traces(traces, trace_meta)]
+    held = set((mlp.meta.get("selection") or {}).get("held_out_prompts") or [])  # what the training run's deferral left out
+    train = [truncate(t, budget) for t in train_traces(traces, trace_meta) if t.question_id not in held]
     rules = read_json_file(meta_path.parent / "rules.json", "tuned rules", keys=("best_rule",))
     rule = rules_policy(rules["best_rule"], profile, train, mlp.k_max, cfg.draft)
     table, ratios = defer_table(mlp, rule, train, CostModel.from_profile(profile), mlp.k_max, profile_hardware(profile),
                                 sizes, budget, margin)
-    print(f"{len(train)} train prompts, replay, {budget} tokens, margin {margin:g}: {describe(table, ratios)}")
+    print(f"{len(train)} train prompts ({len(held)} held out for the phase selection), replay, {budget} tokens, margin {margin:g}: {describe(table, ratios)}")
     if not cfg.dry_run:
         write_defer(meta_path, table, ratios, margin)
         print(f"written: {meta_path}")

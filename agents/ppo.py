@@ -125,19 +125,21 @@ def warm_start(model, venv, layers: list[tuple[np.ndarray, np.ndarray]], norm: d
     venv.obs_rms.var = np.asarray(norm["var"], dtype=np.float64)
 
 
-def fit_value_to_policy(model, rollouts: int, epochs: int = 10) -> dict:
+def fit_value_to_policy(model, rollouts: int, epochs: int = 10, lr: float | None = None) -> dict:
     """Before PPO's first update from a warm start: collect `rollouts` rollouts with the policy as it is (the warm
     start) and after each fit only the value network to its returns (each rollout's GAE returns bootstrap from the
     value fitted on the ones before), so that the first advantages are measured against that policy's value, not a
     random net's. The policy network is not touched. The env steps count in the run's budget (model.num_timesteps).
-    Returns the value's explained variance of the returns on the first rollout before and the last one after."""
+    `lr`: the fit's Adam step size (default: PPO's learning rate; a fine-tuning rate such as 1e-4 hardly moves a
+    random value net in two rollouts). Returns the value's explained variance of the returns on the first rollout
+    before and the last one after."""
     from stable_baselines3.common.utils import explained_variance
 
     if rollouts < 1:
         return {}
     policy, buffer = model.policy, model.rollout_buffer
     params = list(policy.mlp_extractor.value_net.parameters()) + list(policy.value_net.parameters())
-    optimizer = torch.optim.Adam(params, lr=float(model.lr_schedule(1.0)))
+    optimizer = torch.optim.Adam(params, lr=float(model.lr_schedule(1.0) if lr is None else lr))
     _, callback = model._setup_learn(rollouts * model.n_steps * model.n_envs, None, True, "value-prefit", False)
     callback.on_training_start(locals(), globals())
     history = {}
@@ -286,6 +288,7 @@ def train(
     run_config: dict | None = None,
     progress: bool = True,
     init: tuple[list, dict] | None = None,
+    on_phase_end: Callable | None = None,
 ):
     """Train (or continue) one PPO model through phases of (name, env_fn, env steps, checkpoint every).
 
@@ -295,6 +298,7 @@ def train(
     out_dir/checkpoints; with `resume` the newest one is loaded and training continues in its phase.
     `init` = (layers, normalisation) of a warm-start MLP (agents.improve): a fresh model starts from its
     weights and its observation statistics, which then stay frozen (the weights were fitted to them).
+    `on_phase_end(name, model, venv)` runs when a phase has taken its steps (not for a phase a resumed run skips).
     Returns (model, venv of the last phase).
     """
     n_envs = {n_envs_of(p[1]) for p in phases}
@@ -343,7 +347,8 @@ def train(
                 if init is not None:
                     warm_start(model, venv, *init)
                     venv.training = False  # the warm start's statistics stay (as below), also while the value fits
-                    prefit = fit_value_to_policy(model, int(hp.get("value_prefit_rollouts") or 0))
+                    prefit = fit_value_to_policy(model, int(hp.get("value_prefit_rollouts") or 0),
+                                                 lr=hp.get("value_prefit_lr"))
                     if prefit:
                         print(f"specpilot: value net fitted to the warm start's returns: explained variance "
                               f"{prefit['explained_variance_before']:.2f} -> {prefit['explained_variance_after']:.2f}",
@@ -368,6 +373,8 @@ def train(
             if remaining > 0:
                 model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), progress_bar=progress,
                             reset_num_timesteps=model.num_timesteps == 0, tb_log_name="ppo")
+            if on_phase_end is not None:
+                on_phase_end(name, model, venv)
             done = end
     finally:
         if run is not None:

@@ -21,6 +21,7 @@ from specpilot.decoding.models import load_draft, load_target
 from specpilot.decoding.paths import (
     atomic_write_text,
     output_dir,
+    load_profile_path,
     policy_dir,
     profile_path,
     read_json_file,
@@ -36,13 +37,23 @@ from specpilot.decoding.policies import (
 from specpilot.decoding.prompts import load_prompts, per_category
 from specpilot.decoding.tracking import log_rows
 from specpilot.env import PlainSpeed, ReplayEnv, SpecDecodeEnv, measure_plain_speed
-from specpilot.env.oracle import CostModel, load_draft_traces, load_profile, truncate
+from specpilot.env.oracle import (
+    CostModel,
+    load_draft_traces,
+    load_profile,
+    model_identity,
+    profile_hardware,
+    trace_dtype,
+    truncate,
+)
+from specpilot.env.load import background_load
 from specpilot.env.replay_env import MachineCondition, replay_steps_per_second
 
 from .ensemble import merge_policies
 from .defer import defer_table, describe, write_defer
 from .export import export_policy, write_policy
 from .improve import improve_policy
+from .select import held_out, selection_scores
 from .ppo import EnvFns, fit_rollouts, load_hyperparams, split_budget, train
 
 
@@ -59,7 +70,9 @@ class TrainConfig:
     PPO steps than asked."""
     quick: bool = False
     """A quick try of the whole chain in about a minute: one seed, batch sizes 1-2, one short warm-start round,
-    rules tuned on a few traces, two test prompts; written under runs/quick (or --out), never over a policy."""
+    rules tuned on a few traces, short PPO phases (the real loop's without a load), two test prompts; written under
+    runs/quick (or --out), never over a policy. A device or pair without its cost profile and traces measures them
+    first (--env auto): minutes more."""
     replay_timesteps: int = -1
     """Steps of the replay phase, taken out of --timesteps (-1 = its share of it, or the YAML's)."""
     warmup_timesteps: int = -1
@@ -69,8 +82,8 @@ class TrainConfig:
     draft: str = "ngram"
     """Drafter: ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH."""
     env: str = "auto"
-    """real | replay | both (pre-train on the replay env, fine-tune on the real loop) | auto (both when a
-    cost profile and traces exist for this device and draft, else real)."""
+    """real | replay | both (pre-train on the replay env, fine-tune on the real loop) | auto (both, after measuring
+    here the cost profile and the train split's traces this device and (target, draft) pair lack: `prepare_phase`)."""
     profile: str | None = None
     """Cost profile for the replay env (default: profiles/DEVICE.json, from scripts/profile_device.py)."""
     traces: str | None = None
@@ -109,17 +122,22 @@ class TrainConfig:
     allow_simulated: bool = False
     """Train for a chip from a simulated cost profile (--profile PATH from profile_device.py --simulate): replay
     env only, no GPU needed, the device need not be present; the exported policy records it."""
-    condition_profiles: str = ""
+    condition_profiles: str | None = None
     """Comma-separated cost profiles of the same device under other machine conditions (a power cap, a
     co-tenant, a background load: profile_device.py --simulate D --condition C, or --background-load L), each
     with the counters as read under it: replay episodes draw the condition (the --profile one included), so
-    the counters carry what the policy needs to know about the machine."""
+    the counters carry what the policy needs to know about the machine. Default: the YAML's `condition_loads`,
+    the profiles profile_device.py --background-load L wrote for this device and draft (profiles/load/); '' = none."""
     hardware_noise: float = 0.02
     """With --condition-profiles: each replay episode reads every counter off by this standard deviation."""
-    background_load: str = "none"
+    background_load: str | None = None
     """Comma-separated background loads the real-loop env draws from per episode (env/load.py: none | compute
     | memory | both), started and stopped by the env (never left running, not even when the run is killed);
-    the reward prices plain decoding by its speed measured under the same load."""
+    the reward prices plain decoding by its speed measured under the same load. Default: the YAML's
+    `background_loads` (CPU: none,compute,memory)."""
+    profiles_out: str = ""
+    """Where --env auto writes a cost profile or traces this device and pair lack (default: profiles/ in the working
+    directory when it has one, else the user folder, where later runs find them)."""
     n_envs: int = 1
     """Envs PPO steps at once: replay envs in N processes (one core each); real-loop envs one per visible GPU
     (each process loads the target on its GPU), or on the CPU N envs sharing this process's model."""
@@ -127,8 +145,8 @@ class TrainConfig:
 
 QUICK_HP = {"rollout_rounds": 1, "rollout_epochs": 20, "rollout_workers": 1, "n_steps": 64, "batch_size": 32,
             "n_epochs": 2, "checkpoint_every": 64, "replay_checkpoint_every": 64, "replay_warmup_timesteps": 0,
-            "replay_timesteps": 512, "value_prefit_rollouts": 1}
-"""What --quick sets over the YAML: one round of a short fit, a few small PPO rollouts."""
+            "replay_timesteps": 512, "value_prefit_rollouts": 1, "timesteps": 64, "background_loads": ["none"]}
+"""What --quick sets over the YAML: one round of a short fit, a few small PPO rollouts (the real loop's without a load)."""
 QUICK_EPISODES, QUICK_TRACES, QUICK_BATCH_SIZES = 4, 24, [1, 2]
 
 
@@ -147,6 +165,8 @@ class ReplayData:
     """The counters as recorded with the profile (else read live now)."""
     conditions: list[MachineCondition]
     """The machine conditions of --condition-profiles, after the profile's own ([] without them)."""
+    holdout: list = field(default_factory=list)
+    """The held-out train prompts' traces, cut to the budget (`select_holdout`): what picks the phase to export."""
 
 
 @dataclass
@@ -174,9 +194,16 @@ class Run:
     out: Path
     """OUT/DEVICE/DRAFT: the policy, its rules and its run/ folder."""
     loads: list[str]
+    """The background loads the real-loop episodes draw from."""
+    condition_profiles: list[str]
+    """The cost profiles of the replay env's other machine conditions (`condition_paths`)."""
+    holdout_ids: set = field(default_factory=set)
+    """The train prompts no phase trains on, which pick the phase whose policy is exported (agents/select.py)."""
     replay: ReplayData | None = None
     rule: object = None
     """The best engine rule per batch size tuned on the train split (`best_rule_phase`), once tuned or read."""
+    fresh_inputs: bool = False
+    """The chain measured the profile or traces anew (`prepare_phase`): rules tuned on the old ones are not reused."""
 
     @property
     def k_max(self) -> int:
@@ -191,9 +218,10 @@ class Run:
         return self.out / "run"
 
 
-def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str) -> tuple[Path, Path]:
-    return (Path(cfg.profile) if cfg.profile else profile_path(device_key, draft_name),
-            Path(cfg.traces) if cfg.traces else traces_path(draft_name))
+def _default_paths(cfg: TrainConfig, device_key: str, draft_name: str, target_name: str | None) -> tuple[Path, Path]:
+    """(cost profile, traces) of this device and (target, draft) pair: --profile / --traces, else their default paths."""
+    return (Path(cfg.profile) if cfg.profile else profile_path(device_key, draft_name, target_name),
+            Path(cfg.traces) if cfg.traces else traces_path(draft_name, target=target_name))
 
 
 def _simulated_profile(cfg: TrainConfig) -> dict | None:
@@ -212,19 +240,36 @@ def _simulated_profile(cfg: TrainConfig) -> dict | None:
     return profile
 
 
-def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str) -> str:
+def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str, target_name: str | None) -> str:
     if cfg.env not in ("auto", "real", "replay", "both"):
         raise SpecPilotError(f"--env must be auto, real, replay or both, got '{cfg.env}'")
     if cfg.env != "auto":
         return cfg.env
-    profile, traces = _default_paths(cfg, device_key, draft_name)
+    profile, traces = _default_paths(cfg, device_key, draft_name, target_name)
     return "both" if profile.exists() and traces.exists() else "real"
 
 
-def machine_conditions(cfg: TrainConfig, device_key: str, cost: CostModel, hardware: np.ndarray,
+def condition_paths(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, target_name: str | None) -> list[str]:
+    """--condition-profiles, else the YAML's `condition_loads` as the load profiles of this device and draft that exist
+    (one line for each that does not: profile_device.py --background-load L --out profiles/load writes it)."""
+    if cfg.condition_profiles is not None:
+        return [p.strip() for p in cfg.condition_profiles.split(",") if p.strip()]
+    if cfg.profile:  # another profile than this device's own: its conditions are its own to give
+        return []
+    paths = []
+    for load in hp.get("condition_loads") or []:
+        path = load_profile_path(device_key, draft_name, str(load), target_name)
+        if path.exists():
+            paths.append(str(path))
+        else:
+            warn(f"no cost profile of {device_key} under the load '{load}' ({path}); the replay env leaves it out "
+                 f"(measure it: scripts/profile_device.py --background-load {load} --out profiles/load)")
+    return paths
+
+
+def machine_conditions(paths: list[str], device_key: str, cost: CostModel, hardware: np.ndarray,
                        profile: dict) -> list[MachineCondition]:
-    """The machine conditions of --condition-profiles, after the --profile one ([] without them)."""
-    paths = [p.strip() for p in cfg.condition_profiles.split(",") if p.strip()]
+    """The machine conditions of these condition profiles, after the --profile one ([] without them)."""
     if not paths:
         return []
 
@@ -239,7 +284,7 @@ def machine_conditions(cfg: TrainConfig, device_key: str, cost: CostModel, hardw
         if bool(other.get("simulated")) != bool(profile.get("simulated")):
             raise SpecPilotError(f"condition profile {path} and the --profile are not both measured or both simulated")
         conditions.append(MachineCondition(name(other, Path(path).stem), CostModel.from_profile(other),
-                                           np.asarray(other["hardware"], dtype=np.float32)))
+                                           profile_hardware(other)))
     names = [c.name for c in conditions]
     if len(set(names)) != len(names):
         raise SpecPilotError(f"--condition-profiles: two profiles share a condition name ({', '.join(names)})")
@@ -328,6 +373,61 @@ def _quick(cfg: TrainConfig, hp: dict) -> None:
 # --- the phases of a run, in order; each a function of what the ones before it made ---------------------------
 
 
+def _current(path: Path, target, what: str, want: dict) -> str | None:
+    """Why the profile or traces at `path` are not this pair's current ones (None: they are)."""
+    if not path.exists():
+        return "none yet"
+    meta = read_json_file(path, what)
+    meta = meta.get("meta", meta) if what == "traces" else meta
+    if model_identity(str(meta.get("target") or "")) != model_identity(target.name):
+        return f"recorded with the target '{model_identity(str(meta.get('target')))}'"
+    dtype = trace_dtype(meta)
+    if dtype != str(target.dtype):
+        return f"recorded in {dtype}, this run decodes in {target.dtype}"
+    for key, value in want.items():
+        if int(meta.get(key) or 0) < value:
+            return f"{key} {meta.get(key)} < {value}"
+    return None
+
+
+def prepare_phase(cfg: TrainConfig, hp: dict, target, draft, device_key: str, hardware_name: str,
+                  batch_sizes: list[int]) -> bool:
+    """Phase 1b (--env auto): the replay env's inputs for this device and (target, draft) pair, each kept when it exists
+    and is current (this target's, in this dtype, long enough), else measured here: the cost profile at the YAML's
+    batch sizes, then the train split's acceptance traces (these weights, this device). True when either was measured
+    (the rules are then tuned anew). A random-init target has no tokenizer, so no traces: --env real or --traces."""
+    from specpilot.bench.profile_cli import ProfileConfig, write_profile, write_traces  # noqa: I001 (the measuring command)
+
+    k_max, budget = int(hp["k_max"]), int(hp["max_new_tokens"])
+    profile_file, traces_file = _default_paths(cfg, device_key, draft.name, target.name)
+    out = Path(cfg.profiles_out or output_dir("profiles"))
+    pcfg = ProfileConfig(device=cfg.device, target=cfg.target, draft=cfg.draft, k_max=k_max, dtype=cfg.dtype, prompts=cfg.prompts,
+                         batch_sizes=",".join(map(str, batch_sizes)), trace_split="train", max_new_tokens=max(64, budget),
+                         progress=cfg.progress, out=str(out))
+    fresh = False
+    why = None if cfg.profile else _current(profile_file, target, "cost profile", {})
+    if why is None:
+        print(f"specpilot: chain: cost profile kept ({relative(profile_file)})", file=sys.stderr)
+    else:
+        print(f"specpilot: chain: measuring the cost profile of {device_key} for this pair ({why})", file=sys.stderr)
+        out.mkdir(parents=True, exist_ok=True)
+        prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
+        cfg.profile = str(write_profile(pcfg, target, draft, prompt_ids, parse_ints(pcfg.context_lens, "--context-lens"),
+                                        device_key, hardware_name, out))
+        fresh = True
+    why = None if cfg.traces else _current(traces_file, target, "traces", {"k_max": k_max, "max_new_tokens": budget})
+    if why is None:
+        print(f"specpilot: chain: traces kept ({relative(traces_file)})", file=sys.stderr)
+    else:
+        if target.tokenizer is None:
+            raise SpecPilotError(f"no traces of {target.name} with {draft.name} ({why}), and a random-init target has no "
+                                 "tokenizer to record them: pass --traces, or --env real")
+        print(f"specpilot: chain: recording the train split's traces of this pair ({why})", file=sys.stderr)
+        cfg.traces = str(write_traces(pcfg, target, draft, out))
+        fresh = True
+    return fresh
+
+
 def resolve_run(cfg: TrainConfig) -> Run:
     """Phase 1: the device, the hyperparameters (YAML, --hp, --quick), the prompts, the models, the output folder."""
     simulated = _simulated_profile(cfg)
@@ -348,7 +448,9 @@ def resolve_run(cfg: TrainConfig) -> Run:
     hp.pop("seeds", None)  # each member records its own seed
     batch_sizes = [int(b) for b in hp.get("batch_sizes") or [1]]
     at_least(1, n_envs=cfg.n_envs)
-    loads = [x.strip() for x in cfg.background_load.split(",") if x.strip()]
+    if cfg.background_load is None:
+        cfg.background_load = ",".join(hp.get("background_loads") or ["none"]) if cfg.env != "replay" else "none"
+    loads = [x.strip() for x in cfg.background_load.split(",") if x.strip()] or ["none"]
     if loads != ["none"] and cfg.env == "replay":
         raise SpecPilotError("--background-load runs beside the real loop; --env replay has none (use --condition-profiles)")
     train_prompts = load_prompts(cfg.prompts, "train")
@@ -356,35 +458,45 @@ def resolve_run(cfg: TrainConfig) -> Run:
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
-    mode = _env_mode(cfg, device_key, draft.name)
+    target_name = target.name if simulated is None else None  # a simulated chip replays the embedded pair's traces
+    fresh = False
+    if cfg.env == "auto" and simulated is None:
+        fresh = prepare_phase(cfg, hp, target, draft, device_key, hardware_name, batch_sizes)
+    mode = _env_mode(cfg, device_key, draft.name, target_name)
     k_max = int(hp["k_max"])
-    real_prompts = fitting_prompts(target, train_prompts, int(hp["max_new_tokens"]) + k_max + 1)
+    holdout_ids = held_out([p.question_id for p in train_prompts], float(hp.get("select_holdout") or 0.0)) \
+        if cfg.env != "real" else set()
+    real_prompts = fitting_prompts(target, [p for p in train_prompts if p.question_id not in holdout_ids],
+                                   int(hp["max_new_tokens"]) + k_max + 1)
     root = cfg.out or (output_dir("policies").parent / "runs" / "quick" if cfg.quick else output_dir("policies"))
-    out = policy_dir(device_key, draft.name, root)
+    out = policy_dir(device_key, draft.name, root, target_name)
     (out / "run").mkdir(parents=True, exist_ok=True)
     return Run(cfg, device_key, hardware_name, torch_device, simulated, hp, seeds, batch_sizes,
                [int(b) for b in hp.get("real_batch_sizes") or batch_sizes], train_prompts, test_prompts, target, draft,
-               real_prompts, mode, out, loads)
+               real_prompts, mode, out, loads, condition_paths(cfg, hp, device_key, draft.name, target_name) if mode != "real" else [],
+               holdout_ids, fresh_inputs=fresh)
 
 
 def load_replay_data(run: Run) -> ReplayData:
     """Phase 2 (replay modes): the cost profile, the train split's traces and the machine conditions, read once."""
-    profile_file, traces_file = _default_paths(run.cfg, run.device_key, run.draft.name)
+    profile_file, traces_file = _default_paths(run.cfg, run.device_key, run.draft.name,
+                                               run.target.name if run.simulated is None else None)
     profile = load_profile(profile_file, run.device_key)
     # acceptance belongs to the (target, draft) pair: another pair's traces are refused (a simulated chip replays
     # the embedded pair's, by design)
     traces, _ = load_draft_traces(traces_file, run.draft.name, target_name=None if run.simulated else run.target.name)
-    train_ids = {p.question_id for p in run.train_prompts}
-    traces = [t for t in traces if t.question_id in train_ids]  # never the test split
+    train_ids = {p.question_id for p in run.train_prompts} - run.holdout_ids
+    holdout = [truncate(t, run.budget) for t in traces if t.question_id in run.holdout_ids]
+    traces = [t for t in traces if t.question_id in train_ids]  # never the test split, nor the held-out train prompts
     if not traces:
         raise SpecPilotError(f"traces {traces_file} hold none of the training prompts")
-    hardware = profile.get("hardware")
+    hardware = profile_hardware(profile)
     if hardware is None:  # the counters as seen while decoding on this device: recorded with the profile, else live
-        hardware = shared_monitor(run.torch_device).read().tolist()
-    hardware = np.asarray(hardware, dtype=np.float32)
+        hardware = np.asarray(shared_monitor(run.torch_device).read(), dtype=np.float32)
     cost = CostModel.from_profile(profile)
+    conditions = machine_conditions(run.condition_profiles, run.device_key, cost, hardware, profile)
     return ReplayData(traces, [truncate(t, run.budget) for t in traces], cost, profile, profile_file, hardware,
-                      machine_conditions(run.cfg, run.device_key, cost, hardware, profile))
+                      conditions, holdout)
 
 
 def best_rule_phase(run: Run):
@@ -394,7 +506,7 @@ def best_rule_phase(run: Run):
         return run.rule
     data = run.replay
     rules_file = run.out / "rules.json"
-    if rules_file.exists():
+    if rules_file.exists() and not run.fresh_inputs:
         rules = read_json_file(rules_file, "tuned rules", keys=("best_rule",))
     else:
         traces = data.budget_traces[:QUICK_TRACES] if run.cfg.quick else data.budget_traces
@@ -408,23 +520,29 @@ def best_rule_phase(run: Run):
     return run.rule
 
 
-def plain_speed_phase(run: Run) -> PlainSpeed | None:
-    """Phase 4 (real-loop modes): plain decoding's measured speed, which the real env's reward prices steps by
-    (kept in run/plain_speed.json; reused on --resume)."""
+def plain_speed_phase(run: Run) -> dict[str, PlainSpeed] | None:
+    """Phase 4 (real-loop modes): plain decoding's measured speed beside each background load of the real-loop
+    episodes, which the real env's reward prices steps by (run/plain_speed.json without a load,
+    run/plain_speed-load-L.json beside load L; measured once for every seed, reused on --resume)."""
     if run.mode == "replay":
         return None
-    path = run.run_dir / "plain_speed.json"
-    if run.cfg.resume and path.exists():
-        return PlainSpeed.load(path)
-    speed = measure_plain_speed(run.target, run.target.encode(run.real_prompts[0].text, chat=True),
-                                batch_sizes=run.real_batch_sizes)
-    speed.save(path)
-    return speed
+    speeds = {}
+    for load in run.loads:
+        path = run.run_dir / ("plain_speed.json" if load == "none" else f"plain_speed-load-{load}.json")
+        if run.cfg.resume and path.exists():
+            speeds[load] = PlainSpeed.load(path)
+            continue
+        print(f"specpilot: timing plain decoding beside the load '{load}' (the real-loop reward's price)", file=sys.stderr)
+        with background_load(load):
+            speeds[load] = measure_plain_speed(run.target, run.target.encode(run.real_prompts[0].text, chat=True),
+                                               batch_sizes=run.real_batch_sizes)
+        speeds[load].save(path)
+    return speeds
 
 
-def _real_env_fns(run: Run, plain_speed: PlainSpeed) -> EnvFns:
+def _real_env_fns(run: Run, plain_speeds: dict[str, PlainSpeed]) -> EnvFns:
     cfg, hp = run.cfg, run.hp
-    kwargs = dict(k_max=run.k_max, max_new_tokens=run.budget, plain_speed=plain_speed, reward=str(hp["reward"]),
+    kwargs = dict(k_max=run.k_max, max_new_tokens=run.budget, plain_speeds=plain_speeds, reward=str(hp["reward"]),
                   batch_sizes=run.real_batch_sizes, loads=run.loads)
     gpus = gpu_names() if run.torch_device.startswith("cuda") else []
     if cfg.n_envs == 1 or not gpus:  # one process: the envs share the model loaded already
@@ -452,7 +570,7 @@ def _replay_env_fns(run: Run, sizes: list[int]) -> EnvFns:
     return EnvFns([make] * run.cfg.n_envs, subprocess=True)
 
 
-def plan_phases(run: Run, plain_speed: PlainSpeed | None) -> tuple[list[tuple], int]:
+def plan_phases(run: Run, plain_speed: dict[str, PlainSpeed] | None) -> tuple[list[tuple], int]:
     """Phase 5: the PPO phases [(name, env factories, steps, checkpoint every)] with steps > 0, fitted to whole
     rollouts, and the warm start's rounds; printed as the run's plan before anything trains."""
     hp, cfg = run.hp, run.cfg
@@ -531,14 +649,34 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
     provenance = {"target": run.target.name if simulated is None else simulated["target"], "draft": run.draft.name,
                   "simulated": simulated is not None, "profile": relative(cfg.profile) if cfg.profile else None,
                   "context_lens": [int(c) for c in hp.get("context_lens") or []],
-                  "condition_profiles": [relative(p.strip()) for p in cfg.condition_profiles.split(",") if p.strip()],
+                  "condition_profiles": [relative(p) for p in run.condition_profiles],
+                  "conditions": [c.name for c in run.replay.conditions] if run.replay else [],
+                  "background_loads": run.loads if run.mode != "replay" else [],
                   "max_new_tokens": run.budget, "batch_sizes": run.batch_sizes, "real_batch_sizes": run.real_batch_sizes,
                   "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": seed, "env": run.mode,
                   "hyperparams": hp, "warm_start": warm_history, "quick": cfg.quick,
-                  "phases": [{"name": name, "steps": steps} for name, _, steps, _ in phases]}
+                  "phases": [{"name": name, "steps": steps, **({"env": "replay", "conditions": [
+                      c.name for c in run.replay.conditions] or ["none"]} if name.startswith("replay") else
+                      {"env": "real", "loads": run.loads})} for name, _, steps, _ in phases]}
     if phases:
+        candidates = member_run / "candidates"
+        selecting = bool(run.replay is not None and run.replay.holdout)
+        if selecting and init is not None:
+            write_policy(candidates / "warm-start", init[0], init[1], str(hp["activation"]), run.k_max, run.device_key,
+                         run.hardware_name, 0, {**provenance, "candidate": "warm-start"})
+
+        def phase_end(name: str, model, venv) -> None:
+            if selecting:  # checked against SB3's actions, as every export
+                export_policy(model, venv, candidates / name, run.device_key, run.hardware_name, run.k_max,
+                              {**provenance, "candidate": name}, activation=str(hp["activation"]),
+                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None)
+
         model, venv = train(phases, hp, member_run, seed=seed, resume=cfg.resume, track=cfg.track,
-                            wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init)
+                            wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init,
+                            on_phase_end=phase_end)
+        if selecting:  # every phase's policy is in candidates/ (the last one's is the final model's)
+            venv.close()  # its envs' processes and background loads
+            return select_phase(run, candidates, member_out, provenance)
         path = export_policy(model, venv, member_out, run.device_key, run.hardware_name, run.k_max, provenance,
                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
                              activation=str(hp["activation"]))
@@ -551,10 +689,33 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
     raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
 
 
+def select_phase(run: Run, candidates: Path, member_out: Path, provenance: dict) -> tuple[Path, str]:
+    """Phase 7b (with `select_holdout`): the warm start's and each phase's policy replayed on the held-out train
+    prompts under every machine condition; the best is exported (the last phase's unless another beats it)."""
+    found = {p.parent.name: p for p in sorted(candidates.glob("*/policy.json"))}
+    order = ["warm-start"] + [name for name in (p["name"] for p in provenance["phases"]) if name in found]
+    found = {name: found[name] for name in order if name in found}
+    conditions = run.replay.conditions or [MachineCondition("none", run.replay.cost, run.replay.hardware)]
+    scores = selection_scores(found, run.replay.holdout, conditions, run.k_max, run.batch_sizes, run.budget,
+                              run.device_key, run.draft.name)
+    best = max(reversed(list(scores)), key=lambda n: scores[n]["score"])  # a tie goes to the later phase
+    last = order[-1]
+    print("specpilot: selection on " + f"{len(run.replay.holdout)} held-out train prompts: "
+          + ", ".join(f"{n} {v['score']:.4f}" for n, v in scores.items()) + f" -> {best}", file=sys.stderr)
+    selection = {"held_out_prompts": sorted(t.question_id for t in run.replay.holdout), "scores": scores, "chosen": best}
+    chosen = LearnedK.load(found[best], device=run.device_key, draft=run.draft.name, defer=False, replay=True)
+    meta = chosen.meta
+    layers = [(w.T.astype(np.float32), b.astype(np.float32)) for w, b in chosen.layers]
+    norm = {k: v for k, v in meta["normalization"].items() if k != "pinned"}
+    path = write_policy(member_out, layers, norm, meta["activation"], run.k_max, run.device_key, run.hardware_name,
+                        int(meta["training_steps"]), {**provenance, "selection": selection})
+    return path, f"the {best} policy, picked on held-out train prompts" + ("" if best == last else f" over {last}")
+
+
 def train_members(run: Run, phases: list[tuple], warm: int) -> tuple[Path, str]:
     """Phase 8: one policy per seed, then their mean (a member already trained is kept on --resume)."""
     if len(run.seeds) == 1:
-        return train_member(run, phases, warm, run.seeds[0], run.out)
+        return train_member(run, phases, warm, run.seeds[0], run.out)  # (its phases stay in run/candidates/)
     members = []
     for number, seed in enumerate(run.seeds, 1):
         member_out = run.out / "seeds" / f"seed-{seed}"
@@ -564,8 +725,22 @@ def train_members(run: Run, phases: list[tuple], warm: int) -> tuple[Path, str]:
             print(f"specpilot: seed {seed} ({number}/{len(run.seeds)})", file=sys.stderr)
             train_member(run, phases, warm, seed, member_out)
         members.append(member_out / "policy.json")
-    return (merge_policies(members, run.out),
-            f"the mean of {len(run.seeds)} seeds' policies ({', '.join(map(str, run.seeds))}), checked against theirs")
+    merged = merge_policies(members, run.out)
+    keep_phase_policies(run, [m.parent for m in members])
+    return merged, f"the mean of {len(run.seeds)} seeds' policies ({', '.join(map(str, run.seeds))}), checked against theirs"
+
+
+def keep_phase_policies(run: Run, members: list[Path]) -> list[Path]:
+    """OUT/phases/NAME/policy.json: each phase's policy (the warm start, after PPO on replay, after PPO on the real loop)
+    merged over the seeds as the exported one is, for the ablations of reports/ppo.md (with `select_holdout`, which
+    keeps them per seed in run/candidates/)."""
+    names = sorted({p.parent.name for m in members for p in (m / "run" / "candidates").glob("*/policy.json")})
+    kept = []
+    for name in names:
+        found = [m / "run" / "candidates" / name / "policy.json" for m in members]
+        if all(p.exists() for p in found):
+            kept.append(merge_policies(found, run.out / "phases" / name))
+    return kept
 
 
 def defer_phase(run: Run, meta_path: Path) -> None:
@@ -631,7 +806,8 @@ def train_main(argv: list[str] | None = None) -> int:
     phases, warm = plan_phases(run, plain_speed)
     meta_path, how = train_members(run, phases, warm)
     defer_phase(run, meta_path)
-    learned = LearnedK.load(meta_path, device=run.device_key, draft=run.draft.name, replay=run.simulated is not None)
+    learned = LearnedK.load(meta_path, device=run.device_key, draft=run.draft.name, replay=run.simulated is not None,
+                            target=run.target.name if run.simulated is None else None)
     print(f"specpilot: exported {meta_path} ({how}); one decision takes "
           f"{1e6 * learned.decision_seconds():.1f} us", file=sys.stderr)
     if run.test_prompts:

@@ -146,8 +146,8 @@ def expand_policies(text: str) -> list[str]:
 def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, dict, dict]:
     """This draft's acceptance traces, their meta and the device's cost profile (for the oracle, the
     batch table and --replay). Sampled decoding reads the traces recorded at its temperature."""
-    profile = load_profile(cfg.profile or profile_path(device_key, draft.name))
-    traces, meta = load_draft_traces(cfg.traces or traces_path(draft.name, sampling.temperature), draft.name,
+    profile = load_profile(cfg.profile or profile_path(device_key, draft.name, cfg.target))
+    traces, meta = load_draft_traces(cfg.traces or traces_path(draft.name, sampling.temperature, cfg.target), draft.name,
                                      cfg.max_new_tokens, sampling.temperature)
     return traces, meta, profile
 
@@ -170,7 +170,7 @@ def _tuned_rule(cfg, name: str, device_key: str, draft, sampling) -> PerBatchK:
     """`best-rule` or `rule:FAMILY`: the rules tuned on the train split by scripts/tune_rules.py, one
     spelling per batch size (policies/DEVICE/DRAFT/rules.json or --rules)."""
     temperature = sampling.temperature  # 0 for greedy decoding
-    path = Path(cfg.rules) if cfg.rules else rules_path(device_key, draft.name, temperature)
+    path = Path(cfg.rules) if cfg.rules else rules_path(device_key, draft.name, temperature, target=cfg.target)
     rules = read_json_file(path, "tuned rules", f"run: python scripts/tune_rules.py --device {device_key} --draft {draft.name}",
                            keys=("draft", "best_rule", "best"))
     if rules.get("draft") != draft.name:
@@ -284,7 +284,7 @@ def _run_meta(cfg, target, draft, prompts, device_key: str, hardware_name: str, 
 def _speed_check(cfg, runs, prompts, target, device_key: str, draft) -> None:
     """Warn in one line when this machine's plain step is far from what its cost profile prices (a machine of the
     same key at another speed): the replay-tuned rules and policy then price another machine's steps."""
-    path = Path(cfg.profile) if cfg.profile else profile_path(device_key, draft.name)
+    path = Path(cfg.profile) if cfg.profile else profile_path(device_key, draft.name, cfg.target)
     if not path.exists() or cfg.temperature != 0:  # the profile prices greedy steps
         return
     lens = {p.question_id: len(target.encode(p.text, chat=cfg.chat)) for p in prompts}
@@ -426,8 +426,9 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     prompts = per_category(load_prompts(cfg.prompts, cfg.split), cfg.per_category)
     target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm)
     draft = load_draft(cfg.draft, target, cfg.dtype)
-    learned = {n: parse_policy(n, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key, draft=draft.name)
-               for n in names if n.split(":")[0] in ("learned", "learned-mlp")}
+    learned = {n: parse_policy(n, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key, draft=draft.name,
+                               target=target.name)
+               for n in names if n.split(":")[0] in ("learned", "learned-mlp", "learned-idle-counters")}
     cfg.k_max = resolve_k_max(cfg.k_max, learned.values())
     policies = {}
     for n in names:

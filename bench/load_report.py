@@ -11,14 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
-from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.hardware import CO_RUNNING, HW_FEATURES
 from specpilot.decoding.paths import atomic_write_text, slug, traces_path
-from specpilot.env.oracle import CostModel, load_profile, load_traces, train_traces
+from specpilot.env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces
 
 from .batch_table import goodput_table
 from specpilot.env.load import LOADS
 
-COUNTERS = ("hw_cpu_util", "hw_cpu_freq_ratio", "hw_load_per_core")
+COUNTERS = ("hw_cpu_util", "hw_cpu_freq_ratio", "hw_load_per_core") + CO_RUNNING
 
 
 def _num(value) -> str:
@@ -50,7 +50,8 @@ def main(argv=None) -> int:
             seconds = cost.step_costs(context, b)[0][: k_max + 1]
             per_batch[b] = {"plain_ms": 1000 * seconds[0], "ratio": (seconds / seconds[0]).round(3).tolist(),
                             "best_k": int(np.argmax(goodput)), "gain": float(goodput.max() / goodput[0])}
-        hw = dict(zip(FEATURES, profile.get("hardware") or []))
+        recorded = profile_hardware(profile)
+        hw = dict(zip(HW_FEATURES, recorded.tolist())) if recorded is not None else {}
         rows[kind] = {"profile": str(path), "context": context, "batches": per_batch,
                       "counters": {c: hw.get(c) for c in COUNTERS}}
     if not rows:

@@ -12,15 +12,15 @@ from tqdm import tqdm
 
 from specpilot.decoding.config import at_least, parse_config, parse_ints
 from specpilot.decoding.errors import SpecPilotError
-from specpilot.decoding.hardware import resolve
+from specpilot.decoding.hardware import CO_RUNNING, HW_FEATURES, resolve
 from specpilot.decoding.models import ModelDrafter, load_draft, load_target, random_init_target
-from specpilot.decoding.paths import atomic_write_text, output_dir, slug, traces_path
+from specpilot.decoding.paths import atomic_write_text, output_dir, pair_name, traces_path
 from specpilot.decoding.policies import DEFAULT_K_MAX
 from specpilot.decoding.prompts import load_prompts
 from specpilot.decoding.sampling import Sampling
-from specpilot.env.oracle import load_traces, record_trace, save_traces, trace_temperature
+from specpilot.env.oracle import load_traces, model_identity, record_trace, save_traces, trace_dtype, trace_temperature
 from specpilot.env.oracle import load_profile
-from specpilot.env.profile import fit_grid_in_context, profile_costs
+from specpilot.env.profile import fit_grid_in_context, measure_counters, profile_costs
 from specpilot.env.simulate import compare_profiles, save_profile, simulate_profile
 
 from specpilot.env.load import LOADS, background_load
@@ -107,6 +107,12 @@ class ProfileConfig:
     """With --simulate: the machine condition simulated (env/simulate.py CONDITIONS): none | power-cap (SM clock
     at 55%) | cotenant (half the HBM bandwidth taken) | both; the profile records the counters as NVML would
     read under it and is written as OUT/DEVICE-CONDITION-simulated.json."""
+    record_counters: str | None = None
+    """Measure only the hardware counters (decoding.hardware.HW_FEATURES) as they read while the target decodes here for
+    --counter-seconds (under --background-load), and write them into this existing profile of this device in place,
+    its costs untouched: a profile recorded before a counter was added reads it measured, not neutral."""
+    counter_seconds: float = 10.0
+    """With --record-counters: seconds of plain decoding the counters are averaged over."""
     compare: str | None = None
     """With --simulate: a measured profile of the same chip (scripts/gpu_check.sh writes one) to compare with
     the simulated one cell by cell (measured / simulated seconds)."""
@@ -124,6 +130,10 @@ def profile_main(argv: list[str] | None = None) -> int:
         return _simulate(cfg)
     device = resolve(cfg.device)
     device_key, hardware_name, torch_device = device.key, device.name, device.torch
+    if cfg.background_load not in LOADS:
+        raise SpecPilotError(f"--background-load must be one of {', '.join(LOADS)}, got '{cfg.background_load}'")
+    if cfg.record_counters:
+        return _record_counters(cfg, device_key, torch_device)
     lens = parse_ints(cfg.context_lens, "--context-lens")
     if cfg.target_config:
         target = random_init_target(cfg.target_config, cfg.dtype, torch_device)
@@ -139,16 +149,36 @@ def profile_main(argv: list[str] | None = None) -> int:
     out = Path(cfg.out or output_dir("profiles"))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.costs:
-        if cfg.background_load not in LOADS:
-            raise SpecPilotError(f"--background-load must be one of {', '.join(LOADS)}, got '{cfg.background_load}'")
         with background_load(cfg.background_load):
-            _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out)
+            write_profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out)
     if cfg.traces and not cfg.target_config and not cfg.draft_config:
-        _record_traces(cfg, target, draft, out)
+        write_traces(cfg, target, draft, out)
     return 0
 
 
-def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out: Path) -> None:
+def _record_counters(cfg, device_key: str, torch_device: str) -> int:
+    """--record-counters PATH: the counters while plain decoding runs here, written into PATH's `hardware`."""
+    path = Path(cfg.record_counters)
+    profile = load_profile(path, device_key)
+    if cfg.counter_seconds <= 0:
+        raise SpecPilotError(f"--counter-seconds must be > 0, got {cfg.counter_seconds}")
+    if profile.get("background_load", "none") != cfg.background_load:
+        raise SpecPilotError(f"{path} was measured under the load '{profile.get('background_load', 'none')}', "
+                             f"not --background-load {cfg.background_load}")
+    target = load_target(cfg.target, cfg.dtype, torch_device, cfg.gemm)
+    prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
+    with background_load(cfg.background_load):
+        counters = measure_counters(target, prompt_ids, cfg.counter_seconds)
+    profile.update({"hardware": counters.round(4).tolist(), "hardware_features": list(HW_FEATURES),
+                    "hardware_recorded": f"--record-counters, {cfg.counter_seconds:g} s of plain decoding"})
+    atomic_write_text(path, json.dumps(profile, indent=1))
+    print(f"counters of {device_key} under load '{cfg.background_load}' written into {path}: "
+          + ", ".join(f"{n} {v:.3f}" for n, v in zip(HW_FEATURES, counters) if n.startswith("hw_cpu") or n in CO_RUNNING))
+    return 0
+
+
+def write_profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out: Path) -> Path:
+    """Measure the cost profile of this target and draft here (under no load of its own making) into OUT."""
     batch_sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes.strip() else []
     grid_lens = parse_ints(cfg.grid_context_lens, "--grid-context-lens") if cfg.grid_context_lens.strip() else []
     if grid_lens and not batch_sizes:
@@ -164,7 +194,8 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
                     "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
     # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json
-    stem = device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config else f"{device_key}-{slug(draft.name)}"
+    stem = (device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config
+            else f"{device_key}-{pair_name(draft.name, target.name)}")
     if cfg.background_load != "none":
         stem += f"-load-{cfg.background_load}"
         profile["background_load"] = cfg.background_load
@@ -180,6 +211,7 @@ def _profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, ou
               + " ".join(f"{1000 * s:.1f}" for s in row) + f" | draft ms/position {1000 * d:.2f}")
     if "grid" in profile:
         print_grid(profile["grid"], cfg.k_max)
+    return path
 
 
 def _refit(cfg) -> int:
@@ -231,19 +263,21 @@ def _simulate(cfg) -> int:
     return 0
 
 
-def _record_traces(cfg, target, draft, out: Path) -> None:
+def write_traces(cfg, target, draft, out: Path) -> Path:
+    """Record greedy (or sampled) acceptance traces of this target and draft on --trace-split's prompts into OUT."""
     prompts = load_prompts(cfg.prompts, cfg.trace_split)
-    trace_path = out / traces_path(draft.name, cfg.temperature).name
+    trace_path = out / traces_path(draft.name, cfg.temperature, target.name).name
     sampling = Sampling(cfg.temperature)
     meta = {"target": target.name, "draft": draft.name, "k_max": cfg.k_max, "max_new_tokens": cfg.max_new_tokens,
-            "splits": {}}
+            "dtype": str(target.dtype), "splits": {}}
     if not sampling.greedy:
         meta.update(temperature=cfg.temperature, seed=cfg.trace_seed)
     kept = []
     if trace_path.exists():
         old, old_meta = load_traces(trace_path)
         if (all(old_meta.get(key) == meta.get(key) for key in ("draft", "k_max", "max_new_tokens", "seed"))
-                and trace_temperature(old_meta) == cfg.temperature):
+                and trace_dtype(old_meta) == meta["dtype"] and trace_temperature(old_meta) == cfg.temperature
+                and model_identity(str(old_meta.get("target") or target.name)) == model_identity(target.name)):
             wanted = {p.question_id for p in prompts}
             kept = [t for t in old if t.question_id not in wanted]
             meta["splits"] = {q: s for q, s in (old_meta.get("splits") or {}).items() if q not in wanted}
@@ -255,3 +289,4 @@ def _record_traces(cfg, target, draft, out: Path) -> None:
     rate = sum(min(m, cfg.k_max) for t in traces for m in t.matches) / max(1, sum(t.available[i] for t in traces for i in range(len(t.matches))))
     print(f"traces of {len(traces)} prompts ({len(kept)} kept from before): {trace_path} "
           f"(mean matched share of available drafts {rate:.3f})")
+    return trace_path

@@ -64,7 +64,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm)
     policy = parse_policy(cfg.policy, k_max, allow_device_mismatch=cfg.allow_device_mismatch,
-                          device=device_of(str(target.device))[0], draft=draft_name(cfg.draft))
+                          device=device_of(str(target.device))[0], draft=draft_name(cfg.draft), target=target.name)
     resolve_k_max(cfg.k_max, [policy])  # a conflicting --k-max is an error
     draft = load_draft(cfg.draft, target, cfg.dtype) if policy.k_max > 0 else None
     prompt_ids = target.encode(cfg.prompt, chat=cfg.chat)

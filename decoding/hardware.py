@@ -11,6 +11,7 @@ import platform
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,37 @@ HW_FEATURES = (
     "hw_cpu_util",
     "hw_cpu_freq_ratio",
     "hw_load_per_core",
+    "hw_cpu_other_util",
+    "hw_cpu_steal",
+    "hw_run_queue_per_core",
+    "hw_preempt_rate_log",
 )
 _IDX = {name: i for i, name in enumerate(HW_FEATURES)}
+NEUTRAL = {"hw_sm_clock_ratio": 1.0, "hw_cpu_freq_ratio": 1.0}
+"""A counter's value where it is not read (every other counter: 0)."""
+CO_RUNNING = ("hw_cpu_other_util", "hw_cpu_steal", "hw_run_queue_per_core", "hw_preempt_rate_log")
+"""The CPU counters that reveal a co-running load (what other processes, or the hypervisor, take from this one)."""
+WINDOW_S = 1.0
+"""The co-running counters are rates over about the last second (the kernel counts CPU time in 10 ms ticks)."""
+
+
+def neutral_counters() -> np.ndarray:
+    """Every counter at its neutral value (what a missing counter reads)."""
+    return np.array([NEUTRAL.get(name, 0.0) for name in HW_FEATURES], dtype=np.float32)
+
+
+def counters_by_name(values, names=None) -> np.ndarray:
+    """Recorded counters as this version's vector: `names` (a profile's `hardware_features`) gives their order; without
+    it they are HW_FEATURES' first len(values) (a profile from before counters were added). A counter this
+    version does not know is dropped; one the record lacks reads neutral."""
+    out = neutral_counters()
+    names = list(names) if names else list(HW_FEATURES[: len(values)])
+    if len(names) != len(values):
+        raise SpecPilotError(f"{len(values)} recorded counters for {len(names)} names")
+    for name, value in zip(names, values):
+        if name in _IDX:
+            out[_IDX[name]] = float(value)
+    return out
 
 # NVML names -> the device names of --device (lowercase key fragments, checked in order)
 KNOWN_GPUS = ("h200", "h100", "h20", "gh200", "b200", "a100", "a10g", "a10", "l40s", "l40", "l4", "a6000", "v100", "t4", "4090", "3090")
@@ -179,17 +209,77 @@ def nvml_handle(nvml, torch_device: str):
     raise RuntimeError(f"no NVML device matches {torch_device} ({'; '.join(errors)})")
 
 
+def _proc_stat() -> tuple[list[int], int] | None:
+    """(the first line's CPU jiffies, procs_running) of /proc/stat; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    lines = text.split("\n")
+    running = next((int(line.split()[1]) for line in lines if line.startswith("procs_running")), 0)
+    return [int(x) for x in lines[0].split()[1:9]], running
+
+
+def _own_preemptions() -> int:
+    """Involuntary context switches of this process's threads so far (Linux; 0 elsewhere)."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/status") as f:
+                for line in f:
+                    if line.startswith("nonvoluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            pass  # a thread that ended
+    return total
+
+
 class _CpuBackend:
+    """psutil's utilisation, frequency and load average, and (Linux) what a co-running load takes: the share of the
+    machine's CPU time other processes used (/proc/stat's busy time less this process's own), the hypervisor's steal,
+    the run queue per core, and how often this process's threads were preempted, each over about the last second."""
+
     def __init__(self) -> None:
         import psutil  # only the CPU backend needs it
 
         self.psutil = psutil
         psutil.cpu_percent(interval=None)
         self.cores = os.cpu_count() or 1
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.history: list[tuple[float, list[int], float, int]] = []
+        self.running: list[int] = []
+
+    def _co_running(self, out: np.ndarray) -> None:
+        stat = _proc_stat()
+        if stat is None:
+            return
+        jiffies, running = stat
+        now = (time.monotonic(), jiffies, time.process_time(), _own_preemptions())
+        self.history.append(now)
+        self.running = (self.running + [running])[-10:]
+        while len(self.history) > 2 and now[0] - self.history[1][0] >= WINDOW_S:
+            del self.history[0]
+        out[_IDX["hw_run_queue_per_core"]] = sum(self.running) / len(self.running) / self.cores
+        (t0, j0, own0, pre0), (t1, j1, own1, pre1) = self.history[0], now
+        delta = [b - a for a, b in zip(j0, j1)]
+        total = sum(delta)
+        if total <= 0 or t1 <= t0:
+            return
+        busy = total - delta[3] - delta[4]  # less idle and iowait
+        out[_IDX["hw_cpu_other_util"]] = min(1.0, max(0.0, (busy / self.tick - (own1 - own0)) / (total / self.tick)))
+        out[_IDX["hw_cpu_steal"]] = delta[7] / total if len(delta) > 7 else 0.0
+        out[_IDX["hw_preempt_rate_log"]] = float(np.log1p(max(0, pre1 - pre0) / (t1 - t0) / 100.0))
 
     def sample(self, out: np.ndarray) -> None:
         ps = self.psutil
         out[_IDX["hw_cpu_available"]] = 1.0
+        self._co_running(out)
         out[_IDX["hw_cpu_util"]] = ps.cpu_percent(interval=None) / 100.0
         try:
             freq = ps.cpu_freq()
@@ -285,9 +375,7 @@ class HardwareMonitor:
 
     def __init__(self, device: str = "cpu", interval_s: float = 0.1):
         self.interval_s = interval_s
-        self._latest = np.zeros(len(HW_FEATURES), dtype=np.float32)
-        self._latest[_IDX["hw_sm_clock_ratio"]] = 1.0
-        self._latest[_IDX["hw_cpu_freq_ratio"]] = 1.0
+        self._latest = neutral_counters()
         self._backends = [_CpuBackend()]
         self.hardware_name = cpu_name()
         if str(device).startswith("cuda"):

@@ -16,9 +16,9 @@ from safetensors.numpy import load_file
 
 from .config import warn
 from .errors import SpecPilotError
-from .hardware import artifact_key, is_cpu_key
+from .hardware import HW_FEATURES, artifact_key, counters_by_name, is_cpu_key
 from .observation import FEATURES
-from .paths import POLICIES, search_roots, slug
+from .paths import POLICIES, pair_name, search_roots, target_key
 from .policies import LengthPolicy, at_or_below, batch_of, parse_policy
 
 FORMAT_VERSION = 1
@@ -32,11 +32,11 @@ def pinned_mask(var) -> np.ndarray:
     return np.sqrt(np.asarray(var, dtype=np.float64)) < MIN_FEATURE_STD
 
 
-def default_policy_path(device_key: str, draft: str | None = None) -> Path:
-    """policies/<device>/<draft>/policy.json (one policy per machine key and drafter) in the first lookup root
-    that holds one (working directory, user folder, package data: `specpilot.decoding.paths`). On a CPU without a
-    policy of its own, another CPU's policy for that draft, with a one-line warning."""
-    name = slug(draft) if draft else "*"
+def default_policy_path(device_key: str, draft: str | None = None, target: str | None = None) -> Path:
+    """policies/<device>/<pair>/policy.json (one policy per machine key, target and drafter: `paths.pair_name`) in the
+    first lookup root that holds one (working directory, user folder, package data: `specpilot.decoding.paths`). On a
+    CPU without a policy of its own, another CPU's policy for that pair, with a one-line warning."""
+    name = pair_name(draft, target) if draft else "*"
     roots = search_roots(POLICIES.name)
     for root in roots:
         found = sorted((root / device_key).glob(f"{name}/policy.json"))
@@ -52,7 +52,20 @@ def default_policy_path(device_key: str, draft: str | None = None) -> Path:
         f"no learned policy for device '{device_key}'" + (f" and draft '{draft}'" if draft else "")
         + f" (looked for policies/{device_key}/{name}/policy.json); train one with: "
         f"python scripts/train_policy.py --device {device_key}" + (f" --draft {draft}" if draft else "")
+        + (f" --target {target}" if target_key(target) else "")
     )
+
+
+def idle_counters(policy: "LearnedK") -> np.ndarray:
+    """The hardware counters recorded with the cost profile of the policy's device and drafter (profiles/DEVICE-DRAFT.json,
+    measured on an otherwise idle machine): what `learned-idle-counters` pins the policy's counters to."""
+    from .paths import profile_path, read_json_file  # noqa: I001
+
+    path = profile_path(str(policy.meta["device"]), policy.meta.get("draft"))
+    profile = read_json_file(path, "cost profile", keys=("hardware",))
+    if not profile.get("hardware"):
+        raise SpecPilotError(f"{path} records no hardware counters to pin the policy's to")
+    return counters_by_name(profile["hardware"], profile.get("hardware_features"))
 
 
 REQUIRED_KEYS = ("k_max", "action_to_k", "normalization", "activation", "layers")
@@ -100,6 +113,8 @@ class LearnedK(LengthPolicy):
         self.strict = False
         """Raise on a non-finite observation instead of falling back to k = 0 (the tests set it)."""
         self._still = still
+        self._pinned_at: tuple[np.ndarray, np.ndarray] | None = None
+        """(columns, values) of `pin_counters`: inputs read as these values whatever the observation holds."""
         # one clip of the raw input does both: into the trained range and within +-clip standard deviations
         with np.errstate(divide="ignore"):
             bound = np.where(still, np.inf, self.clip / self.inv_std)
@@ -125,16 +140,17 @@ class LearnedK(LengthPolicy):
 
     @classmethod
     def load(cls, path: str | Path | None = None, allow_device_mismatch: bool = False, device: str | None = None,
-             draft: str | None = None, defer: bool = True, replay: bool = False) -> "LearnedK":
+             draft: str | None = None, defer: bool = True, replay: bool = False, target: str | None = None) -> "LearnedK":
         """Load policy.json (+ policy.safetensors beside it); `path` may be either file or their folder.
         `defer=False`: the MLP alone, ignoring the policy's `defer` rules (see `LearnedK.defer`).
         `replay=True`: the policy will decide in a replay env (costs from a profile), not on the hardware, so a
         policy trained on a simulated profile loads without its warning.
 
         `draft`: the drafter it will run with; a policy trained with another drafter is refused (its
-        acceptance features mean something else)."""
+        acceptance features mean something else). `target`: the target's name (or --target spelling); without a
+        path the pair's policy is looked up, and a policy trained for another target is refused."""
         here = artifact_key(device or "auto")
-        path = Path(path) if path else default_policy_path(here, draft)
+        path = Path(path) if path else default_policy_path(here, draft, target)
         if path.is_dir():
             path = path / "policy.json"
         if path.suffix == ".safetensors":
@@ -175,6 +191,13 @@ class LearnedK(LengthPolicy):
                 f"policy {path} was trained with draft '{trained_with}', not '{draft}'; use --draft matching it, "
                 f"pass learned:PATH of a policy for '{draft}', or retrain with --draft"
             )
+        trained_for = meta.get("target")
+        if (target is not None and trained_for and not meta.get("simulated")
+                and target_key(trained_for) != target_key(target)):
+            raise SpecPilotError(
+                f"policy {path} was trained for the target '{str(trained_for).split(' [')[0]}', not "
+                f"'{str(target).split(' [')[0]}': its acceptance features mean that pair's; train one for this pair "
+                f"(python scripts/train_policy.py --target T --draft D) or pass learned:PATH")
         missing = [key for key in REQUIRED_KEYS if key not in meta]
         if missing:
             raise SpecPilotError(f"policy file {path} lacks the keys {missing}: not a complete specpilot policy")
@@ -214,11 +237,22 @@ class LearnedK(LengthPolicy):
         scale[self._columns if self._columns is not None else slice(None)] = self.inv_std
         return scale
 
+    def pin_counters(self, values: np.ndarray) -> "LearnedK":
+        """An ablation: the hardware counters read as `values` (HW_FEATURES order, e.g. a profile's idle counters)
+        whatever the machine's read, so the policy decides as if the machine were in that state."""
+        columns = [i for i, f in enumerate(self.features) if f in HW_FEATURES]
+        by_name = dict(zip(HW_FEATURES, np.asarray(values, dtype=np.float64)))
+        self._pinned_at = (np.array(columns, dtype=np.int64), np.array([by_name[self.features[i]] for i in columns]))
+        self.name += "-idle-counters"
+        return self
+
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Action logits for one observation (or a batch, shape (n, features))."""
-        x = np.asarray(obs, dtype=np.float64)
+        x = np.array(obs, dtype=np.float64)
         if self._columns is not None:
             x = x[..., self._columns]
+        if self._pinned_at is not None:
+            x[..., self._pinned_at[0]] = self._pinned_at[1]
         x = np.where(self._still, self.mean, x)  # a pinned feature may hold anything, NaN included
         return self._forward(np.minimum(np.maximum(x, self._lo), self._hi)).astype(np.float64)
 
@@ -250,6 +284,9 @@ class LearnedK(LengthPolicy):
         x = np.asarray(obs, dtype=np.float64)
         if self._columns is not None:
             x = x[self._columns]
+        if self._pinned_at is not None:
+            x = x.copy()  # (an ablation: the copy's cost does not matter)
+            x[self._pinned_at[0]] = self._pinned_at[1]
         self.calls += 1
         clipped = np.minimum(np.maximum(x, self._lo), self._hi)
         # one reduction answers both checks: NaN or inf when an input is not finite, > 0 when a read one was clipped

@@ -75,16 +75,41 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-def traces_path(draft_name: str, temperature: float = 0.0) -> Path:
-    """profiles/traces-DRAFT.json: the greedy acceptance traces recorded with this draft; traces-DRAFT-tT.json
-    those of sampled decoding at temperature T."""
-    return find_artifact(PROFILES / f"traces-{slug(draft_name)}{temperature_suffix(temperature)}.json")
+def target_key(target: str | None) -> str | None:
+    """The file-name key of a target in its artifacts' names: None for the embedded target (the project's own
+    artifacts carry no target in their names), else a slug of the model's name: 'meta-llama/Llama-3.1-8B' ->
+    'llama-3-1-8b', 'random-init:configs/small-target' -> 'random-small-target', '/m/tiny.gguf' -> 'tiny'."""
+    if target is None:
+        return None
+    from .models import EMBEDDED_ALIASES, EMBEDDED_NAME  # noqa: I001 (models loads torch: only when a target is named)
+
+    name = str(target).split(" [")[0].strip()  # without the kernel mark the loader adds
+    if name in EMBEDDED_ALIASES or name == EMBEDDED_NAME:
+        return None
+    kind, sep, rest = name.partition(":")
+    if sep and kind in ("random", "random-init"):
+        return "random-" + slug(Path(rest).name)
+    return slug(Path(name).name.removesuffix(".gguf")) or "target"
 
 
-def rules_path(device_key: str, draft_name: str, temperature: float = 0.0, root: str | Path | None = None) -> Path:
-    """policies/DEVICE/DRAFT/rules.json: the rules tuned on greedy traces; rules-tT.json on sampled ones at T (found
+def pair_name(draft_name: str, target: str | None = None) -> str:
+    """The (target, draft) pair's name in artifact paths: 'ngram-3' for the embedded target's, else 'TARGET-ngram-3'
+    (acceptance traces, tuned rules and policies belong to the pair)."""
+    key = target_key(target)
+    return f"{key}-{slug(draft_name)}" if key else slug(draft_name)
+
+
+def traces_path(draft_name: str, temperature: float = 0.0, target: str | None = None) -> Path:
+    """profiles/traces-PAIR.json: the greedy acceptance traces recorded with this target and draft (`pair_name`);
+    traces-PAIR-tT.json those of sampled decoding at temperature T."""
+    return find_artifact(PROFILES / f"traces-{pair_name(draft_name, target)}{temperature_suffix(temperature)}.json")
+
+
+def rules_path(device_key: str, draft_name: str, temperature: float = 0.0, root: str | Path | None = None,
+               target: str | None = None) -> Path:
+    """policies/DEVICE/PAIR/rules.json: the rules tuned on greedy traces; rules-tT.json on sampled ones at T (found
     in the lookup roots, or below `root`: where a command writes them, see `output_dir`)."""
-    return policy_dir(device_key, draft_name, root) / f"rules{temperature_suffix(temperature)}.json"
+    return policy_dir(device_key, draft_name, root, target) / f"rules{temperature_suffix(temperature)}.json"
 
 
 def temperature_suffix(temperature: float) -> str:
@@ -92,22 +117,30 @@ def temperature_suffix(temperature: float) -> str:
     return f"-t{temperature:g}" if temperature > 0 else ""
 
 
-def profile_path(device_key: str, draft_name: str | None = None) -> Path:
-    """profiles/DEVICE-DRAFT.json when that draft has its own profile (its draft cost), else profiles/DEVICE.json
-    (in the first root that holds it, see `find_artifact`)."""
+def profile_path(device_key: str, draft_name: str | None = None, target: str | None = None) -> Path:
+    """profiles/DEVICE-PAIR.json when that target and draft have their own profile (`pair_name`), else
+    profiles/DEVICE.json (in the first root that holds it, see `find_artifact`). Another target than the embedded
+    one never falls back to DEVICE.json unless it is that target's own (a profile records its target)."""
     if draft_name:
-        own = find_artifact(PROFILES / f"{device_key}-{slug(draft_name)}.json")
-        if own.exists():
+        own = find_artifact(PROFILES / f"{device_key}-{pair_name(draft_name, target)}.json")
+        if own.exists() or target_key(target):
             return own
     return find_artifact(PROFILES / f"{device_key}.json")
 
 
-def policy_dir(device_key: str, draft_name: str, root: str | Path | None = None) -> Path:
-    """ROOT/DEVICE/DRAFT: where a device's policy for one drafter (and its run, its engine tables) lives. Without a
-    root: the first of the lookup roots that holds it (`find_artifact`), else policies/ in the working directory."""
+def load_profile_path(device_key: str, draft_name: str, load: str, target: str | None = None) -> Path:
+    """profiles/load/DEVICE-PAIR-load-LOAD.json: the cost profile measured beside a background load
+    (profile_device.py --background-load LOAD --out profiles/load), in the first root that holds it."""
+    return find_artifact(PROFILES / "load" / f"{device_key}-{pair_name(draft_name, target)}-load-{load}.json")
+
+
+def policy_dir(device_key: str, draft_name: str, root: str | Path | None = None, target: str | None = None) -> Path:
+    """ROOT/DEVICE/PAIR: where a device's policy for one target and drafter (`pair_name`; and its run, its rules, its
+    engine tables) lives. Without a root: the first of the lookup roots that holds it (`find_artifact`), else
+    policies/ in the working directory."""
     if root is None:
-        return find_artifact(POLICIES / device_key / slug(draft_name))
-    return Path(root) / device_key / slug(draft_name)
+        return find_artifact(POLICIES / device_key / pair_name(draft_name, target))
+    return Path(root) / device_key / pair_name(draft_name, target)
 
 
 def relative(path: str | Path) -> str:

@@ -253,7 +253,8 @@ class PerBatchK(LengthPolicy):
 
 POLICY_HELP = ("none | static:K | heuristic | confidence:T | match:N[:K] | sglang-adaptive[:C1/C2/..[:ALPHA]] | "
                "trtllm:B=K/B=K/..[:WINDOW:THRESHOLD] | learned | learned:PATH "
-               "| learned-mlp[:PATH] (the MLP alone, without its deferred rules) (benchmark also: oracle, batch-table)")
+               "| learned-mlp[:PATH] (the MLP alone, without its deferred rules) | learned-idle-counters[:PATH] (its hardware "
+               "counters pinned to its device profile's idle ones: an ablation) (benchmark also: oracle, batch-table)")
 
 
 def resolve_k_max(requested: int | None, policies) -> int:
@@ -317,10 +318,11 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
                     raise SpecPilotError(f"k={k} is outside [0, k_max={k_max}]")
                 return TrtllmK(None, window, threshold, k)
             return TrtllmK({int(b): int(k) for b, _, k in entries}, window, threshold, k_max)
-        if name in ("learned", "learned-mlp"):
-            from .learned import LearnedK  # noqa: I001 (learned.py builds on this module: LengthPolicy)
+        if name in ("learned", "learned-mlp", "learned-idle-counters"):
+            from .learned import LearnedK, idle_counters  # noqa: I001 (learned.py builds on this module: LengthPolicy)
 
-            return LearnedK.load(arg or None, defer=name == "learned", **learned_kwargs)
+            policy = LearnedK.load(arg or None, defer=name != "learned-mlp", **learned_kwargs)
+            return policy.pin_counters(idle_counters(policy)) if name == "learned-idle-counters" else policy
     except ValueError:
         pass
     raise SpecPilotError(f"unknown policy '{text}'; expected {POLICY_HELP}")

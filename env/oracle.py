@@ -27,6 +27,7 @@ import torch
 
 from specpilot.decoding.drafters import NgramDrafter
 from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hardware import counters_by_name
 from specpilot.decoding.paths import atomic_write_text, read_json_file
 from specpilot.decoding.loop import generate
 from specpilot.decoding.policies import LengthPolicy, NoSpeculation
@@ -117,6 +118,11 @@ def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
     return traces, data.get("meta", {})
 
 
+def trace_dtype(meta: dict) -> str:
+    """The dtype the traces were recorded in ('torch.float32' for files from before it was recorded: the CPU's)."""
+    return str(meta.get("dtype") or "torch.float32")
+
+
 def model_identity(name: str) -> str:
     """A target's name without the kernel mark its loader adds (' [small-rows gemm]'): the weights, not the path."""
     return name.split(" [")[0].strip()
@@ -160,7 +166,9 @@ def load_profile(path: str | Path, device_key: str | None = None) -> dict:
 
 def profile_hardware(profile: dict) -> np.ndarray | None:
     """The hardware counters recorded with a profile (as the replay env shows them), if any."""
-    return np.asarray(profile["hardware"], dtype=np.float32) if profile.get("hardware") else None
+    if not profile.get("hardware"):
+        return None
+    return counters_by_name(profile["hardware"], profile.get("hardware_features"))
 
 
 def grid_lookup(log_batch_sizes, context_lens, values, batch: int, context: float) -> np.ndarray:

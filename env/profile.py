@@ -16,7 +16,7 @@ import torch
 
 from specpilot.decoding.drafters import Draft
 from specpilot.decoding.errors import SpecPilotError
-from specpilot.decoding.hardware import shared_monitor
+from specpilot.decoding.hardware import HW_FEATURES, shared_monitor
 from specpilot.decoding.loop import speculative_step, start, synchronize
 from specpilot.decoding.sampling import Sampling
 
@@ -82,7 +82,8 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
         draft_cost.append(_draft_cost(draft, state, k_max, repeats) if draft is not None else 0.0)
     profile = {"context_lens": lens, "k": list(range(k_max + 1)), "verify_s": verify, "draft_s_per_token": draft_cost,
                "noise": float(np.median(spreads)) if spreads else 0.0, "repeats": repeats,
-               "hardware": np.mean(hardware, axis=0).round(4).tolist() if hardware else None}
+               "hardware": np.mean(hardware, axis=0).round(4).tolist() if hardware else None,
+               "hardware_features": list(HW_FEATURES)}
     if batch_sizes and lens:
         profile.update(profile_batches(target, draft, prompt_ids, k_max, lens[0], repeats, batch_sizes, progress))
     grid_lens = [c for c in grid_context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
@@ -148,6 +149,22 @@ def profile_batches(target, draft, prompt_ids, k_max: int, context_len: int, rep
         draft_cost.append(_draft_cost(draft, state, k_max, repeats) if draft is not None else 0.0)
     return {"batch_sizes": list(batch_sizes), "batch_context_len": context_len, "batch_verify_s": verify,
             "batch_draft_s_per_token": draft_cost}
+
+
+def measure_counters(target, prompt_ids: list[int], seconds: float) -> np.ndarray:
+    """The mean of the hardware monitor's counters while the target decodes plainly for `seconds` (from the prompt,
+    restarted when a sequence fills its budget); the first second, the monitor's rate window, is not counted."""
+    monitor = shared_monitor(str(target.device))
+    read, started = [], time.perf_counter()
+    while time.perf_counter() - started < seconds + 1.0:
+        state = start(target, RandomDrafter(target.vocab_size), list(prompt_ids), 64)
+        while state.active:
+            speculative_step(state, 0)
+            if time.perf_counter() - started >= 1.0:
+                read.append(monitor.read().copy())
+            if time.perf_counter() - started >= seconds + 1.0:
+                break
+    return np.mean(read, axis=0)
 
 
 def _timed_steps(state, k_max: int, repeats: int, progress=None, after_step=None) -> dict[int, list[float]]:

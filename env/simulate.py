@@ -73,7 +73,7 @@ def condition_counters(device: str, condition: Condition) -> list[float]:
     """The hardware features (decoding.hardware.HW_FEATURES) as NVML would read them while this device decodes
     under `condition`: GPU busy, SM clock ratio, power near the cap when capped, memory-busy time and (Hopper
     and newer: GPM) DRAM bandwidth utilisation raised by a co-tenant. Decoding alone keeps HBM ~70% busy."""
-    from specpilot.decoding.hardware import HW_FEATURES
+    from specpilot.decoding.hardware import HW_FEATURES, NEUTRAL
 
     gpm = device in ("h100", "h200")
     own = 0.7 * (1.0 - condition.hbm_share)  # our share of the memory traffic
@@ -85,7 +85,7 @@ def condition_counters(device: str, condition: Condition) -> list[float]:
               "hw_gpm_dram_bw_util": min(1.0, own + condition.hbm_share) if gpm else 0.0,
               "hw_gpm_sm_occupancy": (0.3 + 0.2 * condition.hbm_share) if gpm else 0.0,
               "hw_cpu_available": 1.0, "hw_cpu_util": 0.15, "hw_cpu_freq_ratio": 1.0, "hw_load_per_core": 0.1}
-    return [float(values[name]) for name in HW_FEATURES]
+    return [float(values.get(name, NEUTRAL.get(name, 0.0))) for name in HW_FEATURES]
 
 
 @dataclass(frozen=True)

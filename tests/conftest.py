@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from specpilot.decoding.models import Target  # noqa: E402
 
 CPU_KEY = cpu_key()
 """This machine's key: where a command run with --device cpu writes its policy (OUT/CPU_KEY/DRAFT)."""
+
+COMMITTED_CPU_KEY = next(p.name for p in (Path(__file__).resolve().parents[1] / "policies").glob("cpu-*"))
+"""The key of the CPU the committed CPU policy was trained on (not necessarily this machine's)."""
 
 TINY_VOCAB = 64
 

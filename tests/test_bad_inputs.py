@@ -18,13 +18,14 @@ from specpilot.bench.tune_cli import tune_main
 from specpilot.decoding.config import run_cli
 from specpilot.decoding.generate_cli import generate_main
 from specpilot.decoding.observation import FEATURES
+from specpilot.decoding.paths import pair_name
 from conftest import CPU_KEY
 
 MAINS = {"benchmark": benchmark_main, "generate": generate_main, "train": train_main, "profile": profile_main,
          "tune": tune_main, "defer": defer_main}
 
 
-def make_files(root: Path) -> dict[str, str]:
+def make_files(root: Path, target: str) -> dict[str, str]:
     """A prompt file, a cost profile, traces, tuned rules and a learned policy, each good, plus bad copies."""
     root.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -58,7 +59,7 @@ def make_files(root: Path) -> dict[str, str]:
     (incomplete / "policy.json").write_text(json.dumps(meta_json))
     bad_defer = root / "policy_defer"
     write_policy(bad_defer, layers, norm, "tanh", 4, "cpu", "test", 0, {"draft": "ngram:3", "defer": {"2": "warp:9"}})
-    run_dir = root / "train" / CPU_KEY / "ngram-3" / "run"
+    run_dir = root / "train" / CPU_KEY / pair_name("ngram:3", target) / "run"  # policies belong to a (target, draft) pair
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plain_speed.json").write_text("{\"context_lens\": [32], \"seconds\": ")
     for p in root.rglob("*"):
@@ -116,8 +117,8 @@ def cases(f: dict[str, str], target: str) -> list[tuple[str, list[str], str]]:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return make_files(tmp_path_factory.mktemp("bad"))
+def files(tmp_path_factory, tiny_model_dirs):
+    return make_files(tmp_path_factory.mktemp("bad"), tiny_model_dirs["target"])
 
 
 def test_every_bad_input_is_one_error_line_and_exit_2(files, tiny_model_dirs, capsys, monkeypatch):
@@ -150,8 +151,8 @@ if __name__ == "__main__":  # the table for the closing note
     from conftest import save_tiny_model
 
     root = Path(sys.argv[1])
-    f = make_files(root / "files")
     target = str(save_tiny_model(root / "target", seed=0))
+    f = make_files(root / "files", target)
     print("| command | bad input (flags) | exit | message |\n|---|---|---|---|")
     for command, argv, _ in cases(f, target):
         err = io.StringIO()

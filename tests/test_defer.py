@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import CPU_KEY, stretch_traces
+from conftest import COMMITTED_CPU_KEY, CPU_KEY, stretch_traces
 
 from specpilot.agents.defer import defer_table, rule_spec, write_defer
 from specpilot.agents.export import write_policy
@@ -156,17 +156,17 @@ def test_the_committed_cpu_policys_table_is_what_the_command_writes(tmp_path, mo
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # the profile and traces paths are relative to the repository
-    committed = root / "policies" / CPU_KEY / "ngram-3"
+    committed = root / "policies" / COMMITTED_CPU_KEY / "ngram-3"
     meta = json.loads((committed / "policy.json").read_text())
     for name in ("policy.json", meta["weights"], "rules.json"):
         shutil.copy(committed / name, tmp_path / name)
     copy = json.loads((tmp_path / "policy.json").read_text())
     copy.pop("defer"), copy.pop("defer_evidence")
     (tmp_path / "policy.json").write_text(json.dumps(copy))
-    assert defer_main(["--device", "cpu", "--draft", "ngram:3", "--policy", str(tmp_path / "policy.json"),
+    assert defer_main(["--device", COMMITTED_CPU_KEY, "--draft", "ngram:3", "--policy", str(tmp_path / "policy.json"),
                        "--margin", "0"]) == 0
     written = json.loads((tmp_path / "policy.json").read_text())
     assert written["defer"] == meta["defer"]
     assert written["defer_evidence"]["mlp_over_rule"] == pytest.approx(meta["defer_evidence"]["mlp_over_rule"], abs=1e-4)
-    loaded = LearnedK.load(tmp_path, device="cpu", draft="ngram:3")
+    loaded = LearnedK.load(tmp_path, device=COMMITTED_CPU_KEY, draft="ngram:3")
     assert set(loaded.defer) == {1, 2, 4, 8, 16} and [loaded.defer[b] is None for b in (1, 2, 4)] == [True] * 3

