@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -249,12 +249,14 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str, target_name: s
     return "both" if profile.exists() and traces.exists() else "real"
 
 
-def condition_paths(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, target_name: str | None) -> list[str]:
+def condition_paths(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, target_name: str | None,
+                    own_profile: bool | None = None) -> list[str]:
     """--condition-profiles, else the YAML's `condition_loads` as the load profiles of this device and draft that exist
-    (one line for each that does not: profile_device.py --background-load L --out profiles/load writes it)."""
+    (one line for each that does not: profile_device.py --background-load L --out profiles/load writes it). With a
+    --profile of the user's (`own_profile` False; default: whether --profile is unset) the loads are its own to give."""
     if cfg.condition_profiles is not None:
         return [p.strip() for p in cfg.condition_profiles.split(",") if p.strip()]
-    if cfg.profile:  # another profile than this device's own: its conditions are its own to give
+    if not (cfg.profile is None if own_profile is None else own_profile):
         return []
     paths = []
     for load in hp.get("condition_loads") or []:
@@ -373,7 +375,7 @@ def _quick(cfg: TrainConfig, hp: dict) -> None:
 # --- the phases of a run, in order; each a function of what the ones before it made ---------------------------
 
 
-def _current(path: Path, target, what: str, want: dict) -> str | None:
+def stale_reason(path: Path, target, what: str, want: dict) -> str | None:
     """Why the profile or traces at `path` are not this pair's current ones (None: they are)."""
     if not path.exists():
         return "none yet"
@@ -381,6 +383,8 @@ def _current(path: Path, target, what: str, want: dict) -> str | None:
     meta = meta.get("meta", meta) if what == "traces" else meta
     if model_identity(str(meta.get("target") or "")) != model_identity(target.name):
         return f"recorded with the target '{model_identity(str(meta.get('target')))}'"
+    if what != "traces" and str(meta.get("target")) != target.name:  # a cost is the kernel's too; tokens are not
+        return f"measured through another kernel ('{meta.get('target')}', this run: '{target.name}')"
     dtype = trace_dtype(meta)
     if dtype != str(target.dtype):
         return f"recorded in {dtype}, this run decodes in {target.dtype}"
@@ -402,10 +406,11 @@ def prepare_phase(cfg: TrainConfig, hp: dict, target, draft, device_key: str, ha
     profile_file, traces_file = _default_paths(cfg, device_key, draft.name, target.name)
     out = Path(cfg.profiles_out or output_dir("profiles"))
     pcfg = ProfileConfig(device=cfg.device, target=cfg.target, draft=cfg.draft, k_max=k_max, dtype=cfg.dtype, prompts=cfg.prompts,
+                         context_lens="64,256,1024,2048",
                          batch_sizes=",".join(map(str, batch_sizes)), trace_split="train", max_new_tokens=max(64, budget),
                          progress=cfg.progress, out=str(out))
-    fresh = False
-    why = None if cfg.profile else _current(profile_file, target, "cost profile", {})
+    fresh, user_profile = False, cfg.profile is not None
+    why = None if cfg.profile else stale_reason(profile_file, target, "cost profile", {})
     if why is None:
         print(f"specpilot: chain: cost profile kept ({relative(profile_file)})", file=sys.stderr)
     else:
@@ -415,7 +420,7 @@ def prepare_phase(cfg: TrainConfig, hp: dict, target, draft, device_key: str, ha
         cfg.profile = str(write_profile(pcfg, target, draft, prompt_ids, parse_ints(pcfg.context_lens, "--context-lens"),
                                         device_key, hardware_name, out))
         fresh = True
-    why = None if cfg.traces else _current(traces_file, target, "traces", {"k_max": k_max, "max_new_tokens": budget})
+    why = None if cfg.traces else stale_reason(traces_file, target, "traces", {"k_max": k_max, "max_new_tokens": budget})
     if why is None:
         print(f"specpilot: chain: traces kept ({relative(traces_file)})", file=sys.stderr)
     else:
@@ -425,7 +430,36 @@ def prepare_phase(cfg: TrainConfig, hp: dict, target, draft, device_key: str, ha
         print(f"specpilot: chain: recording the train split's traces of this pair ({why})", file=sys.stderr)
         cfg.traces = str(write_traces(pcfg, target, draft, out))
         fresh = True
+    if cfg.condition_profiles is None and not user_profile:
+        load_profiles_phase(pcfg, hp, target, draft, device_key, hardware_name, batch_sizes)
     return fresh
+
+
+LOAD_PROFILE = {"context_lens": "256", "batch_sizes": (1, 4, 16), "repeats": 5}
+"""How the chain measures a cost profile beside a load (as profiles/load/ was: one context length, three batch sizes)."""
+
+
+def load_profiles_phase(pcfg, hp: dict, target, draft, device_key: str, hardware_name: str, batch_sizes: list[int]) -> None:
+    """Phase 1c (--env auto): the cost profile beside each of the YAML's `condition_loads` that this device and pair lack
+    or hold for another target, measured here with the load running (profile_device.py --background-load L --out
+    profiles/load): the replay env's machine conditions, each with the counters as they read under that load."""
+    from specpilot.bench.profile_cli import write_profile  # noqa: I001 (the measuring command)
+
+    for load in hp.get("condition_loads") or []:
+        path = load_profile_path(device_key, draft.name, str(load), target.name)
+        why = stale_reason(path, target, "cost profile", {})
+        if why is None:
+            print(f"specpilot: chain: cost profile beside the load '{load}' kept ({relative(path)})", file=sys.stderr)
+            continue
+        print(f"specpilot: chain: measuring the cost profile of {device_key} beside the load '{load}' ({why})", file=sys.stderr)
+        sizes = [b for b in LOAD_PROFILE["batch_sizes"] if b in batch_sizes] or batch_sizes[:1]
+        lcfg = replace(pcfg, context_lens=LOAD_PROFILE["context_lens"], batch_sizes=",".join(map(str, sizes)),
+                       repeats=LOAD_PROFILE["repeats"], background_load=str(load), out=str(Path(pcfg.out) / "load"))
+        Path(lcfg.out).mkdir(parents=True, exist_ok=True)
+        prompt_ids = target.encode(load_prompts(pcfg.prompts)[0].text, chat=True)
+        with background_load(str(load)):
+            write_profile(lcfg, target, draft, prompt_ids, parse_ints(lcfg.context_lens, "--context-lens"), device_key,
+                          hardware_name, Path(lcfg.out))
 
 
 def resolve_run(cfg: TrainConfig) -> Run:
@@ -459,7 +493,7 @@ def resolve_run(cfg: TrainConfig) -> Run:
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
     target_name = target.name if simulated is None else None  # a simulated chip replays the embedded pair's traces
-    fresh = False
+    fresh, own_profile = False, cfg.profile is None
     if cfg.env == "auto" and simulated is None:
         fresh = prepare_phase(cfg, hp, target, draft, device_key, hardware_name, batch_sizes)
     mode = _env_mode(cfg, device_key, draft.name, target_name)
@@ -473,7 +507,7 @@ def resolve_run(cfg: TrainConfig) -> Run:
     (out / "run").mkdir(parents=True, exist_ok=True)
     return Run(cfg, device_key, hardware_name, torch_device, simulated, hp, seeds, batch_sizes,
                [int(b) for b in hp.get("real_batch_sizes") or batch_sizes], train_prompts, test_prompts, target, draft,
-               real_prompts, mode, out, loads, condition_paths(cfg, hp, device_key, draft.name, target_name) if mode != "real" else [],
+               real_prompts, mode, out, loads, condition_paths(cfg, hp, device_key, draft.name, target_name, own_profile) if mode != "real" else [],
                holdout_ids, fresh_inputs=fresh)
 
 

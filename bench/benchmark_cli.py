@@ -320,6 +320,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         raise SpecPilotError("--replay: none of the chosen prompts has a recorded trace")
     hardware = profile_hardware(profile)
     cost = CostModel.from_profile(profile)
+    measured_on = profile.get("device") or device_key  # (--profile may be another machine's)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes") if cfg.batch_sizes else [1]
@@ -327,7 +328,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
     if cfg.batch_sizes:
         by_size = {b: replay_evaluate(policies, traces, cost, cfg.k_max, hardware, b, cfg.max_new_tokens) for b in sizes}
         print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}) taken B at a time, "
-              f"{cfg.max_new_tokens} tokens, cost profile of {device_key}, draft {draft.name}; speedup over plain at B")
+              f"{cfg.max_new_tokens} tokens, cost profile of {measured_on}, draft {draft.name}; speedup over plain at B")
         names = [n for n in policies if any(n in by_size[b] for b in sizes)]
         print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>9}" for b in sizes))
         for name in names:
@@ -342,7 +343,7 @@ def _replay_benchmark(cfg, device_key: str, draft, sampling, policies: dict, pro
         return 0
     results = replay_evaluate(policies, traces, cost, cfg.k_max, hardware, max_new_tokens=cfg.max_new_tokens)
     print(f"replay model (no timing noise): {len(traces)} traced prompts ({cfg.split}), {cfg.max_new_tokens} tokens, "
-          f"cost profile of {device_key}, draft {draft.name}")
+          f"cost profile of {measured_on}, draft {draft.name}")
     print(f"{'policy':<16}{'speedup':>9}{'acc.rate':>9}" + (f"{'/oracle':>8}" if "oracle" in results else ""))
     for name, row in results.items():
         print(f"{name:<16}{row['speedup']:>8.3f}x{row['accept_rate']:>9.3f}"
@@ -424,7 +425,7 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     device_key, hardware_name = device_of(resolve_torch_device(cfg.device))
     sampling = Sampling(cfg.temperature)
     prompts = per_category(load_prompts(cfg.prompts, cfg.split), cfg.per_category)
-    target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm)
+    target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm, cfg.threads)
     draft = load_draft(cfg.draft, target, cfg.dtype)
     learned = {n: parse_policy(n, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key, draft=draft.name,
                                target=target.name)

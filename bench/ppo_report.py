@@ -19,6 +19,7 @@ from pathlib import Path
 from specpilot.decoding.config import parse_config, run_cli
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.paths import atomic_write_text, read_json_file, relative
+from specpilot.env.load import LOADS
 
 from .paired_cli import paired_ratios
 from .report import provenance, provenance_line
@@ -27,7 +28,8 @@ ROLES = ("warm", "replay", "real", "committed", "pinned", "rule")
 LABELS = {"warm": "warm start alone", "replay": "+ PPO on replay", "real": "+ PPO on the real loop",
           "committed": "exported (per seed, the phase picked on held-out train prompts)",
           "pinned": "exported, counters pinned to idle", "rule": "best tuned rule"}
-RATIOS = (("committed", "warm"), ("replay", "warm"), ("real", "warm"), ("committed", "rule"), ("committed", "pinned"))
+RATIOS = (("committed", "warm"), ("replay", "warm"), ("real", "warm"), ("committed", "rule"), ("replay", "rule"), ("real", "rule"),
+          ("committed", "pinned"))
 
 
 @dataclass
@@ -69,9 +71,13 @@ def token_mismatches(runs: list[dict]) -> dict[str, int]:
 
 
 def split_table(runs: list[dict], names: dict[str, str]) -> dict:
-    """{"speedup": {role: {cell: ...}}, "ratios": {"a/b": {cell: ...}}, "mean_over_loads": {"a/b": {B: ratio}}}."""
-    speedup = {role: paired_ratios(runs, name, "none") for role, name in names.items()}
-    ratios = {f"{a}/{b}": paired_ratios(runs, names[a], names[b]) for a, b in RATIOS if a in names and b in names}
+    """{"speedup": {role: {cell: ...}}, "ratios": {"a/b": {cell: ...}}, "mean_over_loads": {"a/b": {B: ratio}}}. A role
+    that names the same policy as a role before it (the exported policy when the selection kept the warm start) gets
+    no row of its own, nor a ratio to that role."""
+    same = {role: next(r for r in names if names[r] == name) for role, name in names.items()}
+    speedup = {role: paired_ratios(runs, name, "none") for role, name in names.items() if same[role] == role}
+    ratios = {f"{a}/{b}": paired_ratios(runs, names[a], names[b]) for a, b in RATIOS
+              if a in names and b in names and names[a] != names[b]}
     mean = {}
     for key, cells in ratios.items():
         by_batch: dict[str, list[float]] = {}
@@ -79,6 +85,14 @@ def split_table(runs: list[dict], names: dict[str, str]) -> dict:
             by_batch.setdefault(cell.split(" ")[-1], []).append(row["ratio"])
         mean[key] = {b: math.exp(sum(map(math.log, v)) / len(v)) for b, v in by_batch.items()}
     return {"speedup": speedup, "ratios": ratios, "mean_over_loads": mean}
+
+
+def ordered_cells(cells) -> list[str]:
+    """'LOAD B=b' cells in the loads' order (none, compute, memory, both), then by batch size."""
+    def key(cell: str):
+        load, _, b = cell.rpartition(" B=")
+        return (LOADS.index(load) if load in LOADS else len(LOADS), load, int(b) if b.isdigit() else 0)
+    return sorted(cells, key=key)
 
 
 def _fmt(row: dict | None) -> str:
@@ -96,6 +110,9 @@ def targets(tables: dict[str, dict]) -> list[tuple[str, str, bool | None]]:
     r = t["ratios"]
     cell = lambda key, load: r[key].get(f"{load} B=1")  # noqa: E731
     rows = []
+    if "committed/warm" not in r:  # the exported policy is the warm start: PPO's phases lost the selection
+        return [("exported / warm start >= 1.03 at B=1, mean over loads", "1 (the exported policy is the warm start)", False)] \
+            + _rule_and_pinned_rows(r, cell)
     mean = t["mean_over_loads"]["committed/warm"].get("B=1")
     if mean is not None:
         rows.append(("exported / warm start >= 1.03 at B=1, mean over loads", f"{mean:.3f}", mean >= 1.03))
@@ -106,6 +123,11 @@ def targets(tables: dict[str, dict]) -> list[tuple[str, str, bool | None]]:
         rows.append(("... interval above 1 under at least one load", ", ".join(above) or "none", bool(above)))
         worst = min(v["ratio"] for v in present.values())
         rows.append(("... >= 0.99 under every load", f"worst {worst:.3f}", worst >= 0.99))
+    return rows + _rule_and_pinned_rows(r, cell)
+
+
+def _rule_and_pinned_rows(r: dict, cell) -> list[tuple[str, str, bool]]:
+    rows = []
     for load, goal in (("compute", 1.05), ("memory", 1.05), ("none", 1.0)):
         row = cell("committed/rule", load)
         if row:
@@ -125,16 +147,20 @@ def markdown(doc: dict, png: str) -> str:
         lines.append(f"- {split}: {meta['prompts']} prompts, {meta['max_new_tokens']} tokens, batch sizes "
                      f"{meta.get('batch_sizes')}, loads {', '.join(meta.get('loads') or ['none'])}, {meta['repeats']} "
                      f"paired repeats, {meta['hardware']} ({meta['device']}); from `{doc['results'][split]}`")
-    lines += ["", "Policies: " + "; ".join(f"{LABELS[role]} = `{name}`" for role, name in doc["names"].items()), "",
-              "Tokens against plain decoding's: " + (", ".join(f"{p} {n} of its runs differ" for p, n in doc["mismatches"].items() if n)
-                                                    or "every run token-identical to plain decoding (greedy)"), ""]
+    same = doc["names"].get("committed") == doc["names"].get("warm")
+    lines += ["", "Policies: " + "; ".join(f"{LABELS[role]} = `{name}`" for role, name in doc["names"].items()), ""]
+    if same:
+        lines += ["The exported policy is the warm start: on the held-out train prompts each seed's PPO phases replayed "
+                  "below it, so the selection kept it. The PPO phases' rows are the merged policies of `phases/`.", ""]
+    lines += ["Tokens against plain decoding's: " + (", ".join(f"{p} {n} of its runs differ" for p, n in doc["mismatches"].items() if n)
+                                                      or "every run token-identical to plain decoding (greedy)"), ""]
     rows = targets(doc["tables"])
     if rows:
         lines += ["## Targets (test split, one row)", "", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {name} | {value} | {'yes' if ok else 'no'} |" for name, value, ok in rows]
         lines.append("")
     for split, table in doc["tables"].items():
-        cells = list(next(iter(table["speedup"].values())))
+        cells = ordered_cells(next(iter(table["speedup"].values())))
         lines += [f"## {split} split", "", "Speedup over plain decoding under the same load, paired within each repeat "
                   "(geometric mean [95% interval]):", "", "| policy | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
         for role, row in table["speedup"].items():
@@ -159,7 +185,7 @@ def plot(doc: dict, path: Path) -> None:
     tables = doc["tables"]
     fig, axes = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
     for ax, (split, table) in zip(axes[0], tables.items()):
-        cells = list(next(iter(table["speedup"].values())))
+        cells = ordered_cells(next(iter(table["speedup"].values())))
         width = 0.8 / len(table["speedup"])
         for i, (role, row) in enumerate(table["speedup"].items()):
             xs = [j + i * width for j in range(len(cells))]

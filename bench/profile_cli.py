@@ -77,7 +77,7 @@ class ProfileConfig:
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
     gemm: str = "auto"
-    """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
+    """CPU fp32 matrix products: auto (small-rows on the CPUs of decoding.models.SMALL_ROW_CPUS, else linear) | linear (torch's) | small-rows
     (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
     of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
     context_fit: str = "linear"

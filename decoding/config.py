@@ -32,9 +32,13 @@ class ModelOptions:
     dtype: str = "auto"
     """Model dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
     gemm: str = "auto"
-    """CPU fp32 matrix products: auto (small-rows on the CPU) | linear (torch's) | small-rows
+    """CPU fp32 matrix products: auto (small-rows on the CPUs of decoding.models.SMALL_ROW_CPUS, else linear) | linear (torch's) | small-rows
     (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
     of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
+    threads: str = "auto"
+    """CPU threads: auto (before each target pass torch's threads are set to the cores other processes leave free, as
+    the hardware monitor reads them: beside one busy core a two-thread step took up to 25x a one-thread step) | fixed
+    (torch's own count throughout)."""
     allow_device_mismatch: bool = False
     """Let a learned policy trained on another device run."""
 

@@ -62,7 +62,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     at_least(1, max_new_tokens=cfg.max_new_tokens)
     k_max = resolve_k_max(cfg.k_max, [])
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-    target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm)
+    target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm, cfg.threads)
     policy = parse_policy(cfg.policy, k_max, allow_device_mismatch=cfg.allow_device_mismatch,
                           device=device_of(str(target.device))[0], draft=draft_name(cfg.draft), target=target.name)
     resolve_k_max(cfg.k_max, [policy])  # a conflicting --k-max is an error

@@ -179,6 +179,9 @@ class DecodeState(BatchView):
 def _target_forward(state: DecodeState, ids: torch.Tensor, positions: torch.Tensor | None = None,
                     mask: torch.Tensor | None = None):
     model = state.target.model
+    threads = getattr(state.target, "threads", None)
+    if threads is not None:  # the CPU's threads follow the cores a co-running load leaves free (decoding/threads.py)
+        threads.apply()
     extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
     return model(
         input_ids=ids,

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ from platformdirs import user_cache_dir
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter  # noqa: F401 (re-exported)
 from .errors import SpecPilotError
-from .hardware import torch_device_of
+from .hardware import cpu_key, torch_device_of
+from .threads import THREAD_MODES, ThreadGovernor
 from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
 
 EMBEDDED_ALIASES = ("embedded", "default", "smollm2-135m")
@@ -40,6 +42,8 @@ class Target:
     tokenizer: object
     name: str
     eos_ids: frozenset[int] = field(default_factory=frozenset)
+    threads: Any = None
+    """A ThreadGovernor (decoding/threads.py) the loop applies before each target pass; None = torch's count as set."""
 
     @property
     def device(self) -> torch.device:
@@ -263,22 +267,32 @@ def resolve_torch_device(name: str) -> str:
 GEMM_PATHS = ("auto", "linear", "small-rows")
 
 
-def resolve_gemm(gemm: str, device: str) -> str:
-    """auto -> small-rows on the CPU (where `python -m specpilot.bench.gemm` measured it faster), linear elsewhere."""
+SMALL_ROW_CPUS = ("cpu-amd-epyc-",)
+"""CPU machine keys (prefixes) whose fp32 products `python -m specpilot.bench.gemm` measured faster as SmallRowLinear
+(2-core AMD EPYC: a plain step 1.44x as fast). Elsewhere torch's own is kept: on a 2-core Intel Xeon (Sapphire Rapids,
+AMX) SmallRowLinear's 1-4 rows took twice nn.Linear's time (plain step 91.7 vs 46.6 ms, reports/README.md)."""
+
+
+def resolve_gemm(gemm: str, device: str, cpu: str | None = None) -> str:
+    """auto -> small-rows on a CPU of SMALL_ROW_CPUS (`cpu`: its machine key, default this machine's), linear elsewhere."""
     if gemm not in GEMM_PATHS:
         raise SpecPilotError(f"--gemm must be one of {', '.join(GEMM_PATHS)}, got '{gemm}'")
     if gemm == "auto":
-        return "small-rows" if str(device) == "cpu" else "linear"
+        return "small-rows" if str(device) == "cpu" and (cpu or cpu_key()).startswith(SMALL_ROW_CPUS) else "linear"
     return gemm
 
 
-def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto", gemm: str = "auto") -> Target:
+def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto", gemm: str = "auto",
+                threads: str = "auto") -> Target:
     """The target: 'embedded', a hub id, a folder, a .gguf file, or random:CONFIG (random init, for the GPU
     check's plumbing and cost profiling: no weights to download). `gemm` (GEMM_PATHS, see resolve_gemm):
     small-rows runs its linear layers as SmallRowLinear, and says so in the target's name (so reports and
-    profiles record it)."""
+    profiles record it). `threads` (THREAD_MODES): auto on the CPU gives it a ThreadGovernor (torch's threads follow
+    the cores a co-running load leaves free), fixed keeps torch's count."""
     device = resolve_torch_device(device)
     gemm = resolve_gemm(gemm, device)  # checked before any weights load
+    if threads not in THREAD_MODES:
+        raise SpecPilotError(f"--threads must be one of {', '.join(THREAD_MODES)}, got '{threads}'")
     if spec and spec.startswith("random:"):
         target = random_init_target(spec.partition(":")[2], dtype, device)
     else:
@@ -287,6 +301,8 @@ def load_target(spec: str | None = None, dtype: str = "auto", device: str = "aut
     if gemm == "small-rows":
         use_small_row_gemm(target.model)
         target.name += " [small-rows gemm]"
+    if threads == "auto" and str(device) == "cpu":
+        target.threads = ThreadGovernor()
     return target
 
 

