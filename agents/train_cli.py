@@ -452,7 +452,8 @@ def load_profiles_phase(pcfg, hp: dict, target, draft, device_key: str, hardware
             print(f"specpilot: chain: cost profile beside the load '{load}' kept ({relative(path)})", file=sys.stderr)
             continue
         print(f"specpilot: chain: measuring the cost profile of {device_key} beside the load '{load}' ({why})", file=sys.stderr)
-        sizes = [b for b in LOAD_PROFILE["batch_sizes"] if b in batch_sizes] or batch_sizes[:1]
+        # (1, 4, 16) of the run's, and its smallest and largest: the replay env prices every batch size it draws
+        sizes = sorted({b for b in LOAD_PROFILE["batch_sizes"] if b in batch_sizes} | {min(batch_sizes), max(batch_sizes)})
         lcfg = replace(pcfg, context_lens=LOAD_PROFILE["context_lens"], batch_sizes=",".join(map(str, sizes)),
                        repeats=LOAD_PROFILE["repeats"], background_load=str(load), out=str(Path(pcfg.out) / "load"))
         Path(lcfg.out).mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,8 @@ class PpoReportConfig:
     """reports/ppo.md from load benchmarks of the training's phases (see the module docstring)."""
 
     results: str = ""
-    """Comma-separated load_results.json files of scripts/benchmark.py, one per split (their meta names it)."""
+    """Comma-separated load_results.json files of scripts/benchmark.py, one per split (their meta names it); a run not
+    finished yet as SPLIT=OUT/checkpoint.jsonl (its complete repeats; the page says how many)."""
     warm: str = ""
     """The warm start alone, as the benchmark spelt it (e.g. learned:runs/phases/warm-start/policy.json)."""
     replay: str = ""
@@ -53,6 +54,32 @@ class PpoReportConfig:
     """The best rule tuned on the train split."""
     report: str = "reports/ppo.md"
     """The report page (its JSON and plot beside it)."""
+
+
+def read_checkpoint(path: str | Path, split: str) -> dict:
+    """A load benchmark still running or stopped (OUT/checkpoint.jsonl, resumable with the same command and --resume) as
+    a results file of its complete repeats: {"meta", "runs"}, meta["partial"] saying how many of how many repeats. A
+    repeat is complete when every load ran every batch of it (so each repeat's ratios pair the same batches)."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines or "signature" not in lines[0]:
+        raise SpecPilotError(f"{path} is not a benchmark checkpoint (its first line holds no signature)")
+    sig, rows = lines[0]["signature"], lines[1:]
+    loads = sig.get("loads") or ["none"]
+    batches = sum(-(-len(sig["prompts"]) // b) for b in sig["batch_sizes"])
+    done = {}
+    for row in rows:
+        done.setdefault(row["repeat"], set()).add((row["load"], row["batch"]))
+    complete = sorted(r for r, cells in done.items() if len(cells) == len(loads) * batches)
+    if not complete:
+        raise SpecPilotError(f"{path}: no repeat has finished yet ({len(rows)} batches run)")
+    from specpilot.decoding.hardware import resolve  # the machine reading it: the one that ran it (a checkpoint names none)
+
+    here = resolve("cpu")
+    meta = {"split": split, "prompts": len(sig["prompts"]), "max_new_tokens": sig["max_new_tokens"],
+            "batch_sizes": sig["batch_sizes"], "loads": loads, "repeats": len(complete), "hardware": here.name,
+            "device": here.key, "partial": f"{len(complete)} of {sig['repeats']} repeats (from the checkpoint)"}
+    runs = [run for row in rows if row["repeat"] in complete for run in row["runs"]]
+    return {"meta": meta, "runs": runs}
 
 
 def token_mismatches(runs: list[dict]) -> dict[str, int]:
@@ -146,7 +173,9 @@ def markdown(doc: dict, png: str) -> str:
     for split, meta in doc["meta"].items():
         lines.append(f"- {split}: {meta['prompts']} prompts, {meta['max_new_tokens']} tokens, batch sizes "
                      f"{meta.get('batch_sizes')}, loads {', '.join(meta.get('loads') or ['none'])}, {meta['repeats']} "
-                     f"paired repeats, {meta['hardware']} ({meta['device']}); from `{doc['results'][split]}`")
+                     f"paired repeats, {meta['hardware']} ({meta['device']}); from `{doc['results'][split]}`"
+                     + (f" (**partial: {meta['partial']}**; the benchmark's command with --resume finishes it)"
+                        if meta.get("partial") else ""))
     same = doc["names"].get("committed") == doc["names"].get("warm")
     lines += ["", "Policies: " + "; ".join(f"{LABELS[role]} = `{name}`" for role, name in doc["names"].items()), ""]
     if same:
@@ -211,7 +240,10 @@ def ppo_report_main(argv: list[str] | None = None) -> int:
     names = {role: getattr(cfg, role) for role in ROLES if getattr(cfg, role)}
     tables, metas, sources, mismatches, policies = {}, {}, {}, {}, {}
     for file in files:
-        doc = read_json_file(file, "benchmark results", keys=("meta", "runs"))
+        split_of, _, path = file.rpartition("=")
+        doc = read_checkpoint(path, split_of) if path.endswith(".jsonl") else \
+            read_json_file(path, "benchmark results", keys=("meta", "runs"))
+        file = path
         split, runs = doc["meta"]["split"], doc["runs"]
         missing = [n for n in names.values() if n not in {r["policy"] for r in runs}]
         if missing:

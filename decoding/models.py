@@ -181,12 +181,12 @@ def use_gqa_attention(model):
 class SmallRowLinear(torch.nn.Linear):
     """nn.Linear whose product for 1-4 fp32 rows on the CPU is taken as W @ x^T, then transposed.
 
-    torch computes `F.linear(x, W)` as x @ W^T, and on this CPU's MKL that costs 2-2.5x more for 2-4 rows than
+    torch computes `F.linear(x, W)` as x @ W^T, and on the 2-core AMD EPYC's MKL that costs 2-2.5x more for 2-4 rows than
     for one (the same weights read either way: the kernel, not the arithmetic, made a verify pass of 1-3 drafted
     tokens cost 1.65-2.0x a plain step). Handed over the other way round, W (out x in) times x^T (in x rows), a
-    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m specpilot.bench.gemm`; reports/README.md, "The cost curve of this CPU").
+    verify pass of 1-3 drafted tokens costs 1.2-1.5x (`python -m specpilot.bench.gemm`; reports/README.md, "The cost curve of the AMD EPYC").
     One row is padded with a zero row and taken the same way: MKL's one-row product (x @ W^T and W @ x alike)
-    is slower than its two-row one here, and a plain step through two rows is 1.44x [1.14, 1.80] as fast as one
+    is slower than its two-row one there, and a plain step through two rows is 1.44x [1.14, 1.80] as fast as one
     through nn.Linear (`python -m specpilot.bench.gemm --batch-sizes 1,2 --context-len 512`). At 5 or more rows nn.Linear's path was no slower, so those keep it,
     as do other dtypes and devices. Same numbers up to float summation order. The product is returned contiguous:
     handed on transposed, the projections' outputs sent attention down a path whose cost grows with the context

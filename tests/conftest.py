@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-init Llama models (config only, instant) and the embedded target."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import tempfile
@@ -153,3 +154,21 @@ def stretch_traces(k: int, n: int = 8, length: int = 36):
         out.append(Trace(f"t{q}", "c", list(range(10)), list(range(100 + q, 100 + q + length)),
                          [k if g else 0 for g in good], [k] * length, match_lens=[3 if g else 1 for g in good], k_max=k))
     return out
+
+
+@contextlib.contextmanager
+def repeatable_measurements(monkeypatch, k_max: int):
+    """For gymnasium's check_env, which steps twice from one seed and wants the same observation: a real env's are
+    measured (step seconds, the hardware monitor's counters), so the loop's clock ticks 1 ms a reading and the
+    counters are held fixed. Yields the observation builder to make the env with."""
+    from types import SimpleNamespace
+
+    from specpilot.decoding import loop
+    from specpilot.decoding.hardware import neutral_counters
+    from specpilot.decoding.observation import ObservationBuilder
+    from specpilot.env.replay_env import FixedMonitor
+
+    ticks = iter(range(10**12))
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
+        yield ObservationBuilder(k_max, monitor=FixedMonitor(neutral_counters()))

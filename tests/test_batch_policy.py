@@ -7,6 +7,7 @@ import math
 import gymnasium as gym
 import numpy as np
 import pytest
+from conftest import repeatable_measurements
 
 from specpilot.bench.batch_table import BatchTableK, policy_to_table, vllm_ranges
 from specpilot.bench.export_cli import export_vllm_main
@@ -102,7 +103,7 @@ def test_replay_env_refuses_batches_without_a_batch_profile():
         ReplayEnv([full_match_trace("a")], CostModel.from_profile(profile), k_max=K_MAX, batch_sizes=[1, 4])
 
 
-def test_real_env_draws_batches(tiny_model_dirs):
+def test_real_env_draws_batches(tiny_model_dirs, monkeypatch):
     from gymnasium.utils.env_checker import check_env
 
     target = load_target(tiny_model_dirs["target"], "float32", "cpu")
@@ -111,7 +112,8 @@ def test_real_env_draws_batches(tiny_model_dirs):
     speed = PlainSpeed([16, 1024], [0.002, 0.003], batch_scale={1: 1.0, 4: 1.5})
     kwargs = dict(target=target, draft=draft, prompts=prompts, k_max=K_MAX, max_new_tokens=8, plain_speed=speed,
                   batch_sizes=[1, 2, 4])
-    check_env(gym.make(ENV_ID, **kwargs), skip_render_check=True)
+    with repeatable_measurements(monkeypatch, K_MAX) as observer:
+        check_env(gym.make(ENV_ID, **kwargs, observer=observer), skip_render_check=True)
     env = SpecDecodeEnv(**kwargs)
     _, info = env.reset(seed=0, options={"batch_size": 3})
     assert info["batch_size"] == 3

@@ -49,7 +49,7 @@ def test_one_command_measures_what_a_new_pair_lacks_then_keeps_it(tiny_model_dir
     assert "tuning the engine rules" in first and "plan (env both)" in first
     assert "chain: measuring the cost profile of" in first and "beside the load 'compute'" in first
     loaded = json.loads((tmp_path / "profiles" / "load" / f"{CPU_KEY}-{pair}-load-compute.json").read_text())
-    assert loaded["background_load"] == "compute" and loaded["context_lens"] == [256] and loaded["batch_sizes"] == [1]
+    assert loaded["background_load"] == "compute" and loaded["context_lens"] == [256] and loaded["batch_sizes"] == [1, 2]
     assert len(loaded["hardware"]) == len(loaded["hardware_features"])  # the counters as they read beside the load
     profile = json.loads((tmp_path / "profiles" / f"{CPU_KEY}-{pair}.json").read_text())
     traces = json.loads((tmp_path / "profiles" / f"traces-{pair}.json").read_text())

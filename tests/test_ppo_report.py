@@ -81,3 +81,28 @@ def test_a_run_whose_tokens_differ_from_plain_decoding_is_counted():
 def test_cells_read_in_the_loads_order_then_by_batch_size():
     assert ordered_cells(["memory B=1", "none B=4", "compute B=16", "compute B=4", "none B=1"]) == \
         ["none B=1", "none B=4", "compute B=4", "compute B=16", "memory B=1"]
+
+
+def test_a_run_not_finished_reads_as_its_complete_repeats(tmp_path):
+    """A checkpoint (the benchmark's OUT/checkpoint.jsonl): its complete repeats only, so every ratio pairs the same
+    batches; the page says it is partial."""
+    data = runs()
+    signature = {"policies": sorted(SPEED), "prompts": ["q"], "batch_sizes": [1, 4], "max_new_tokens": 48, "repeats": 3,
+                 "loads": ["none", "compute", "memory"]}
+    lines = [json.dumps({"signature": signature})]
+    for r in range(3):
+        for load in ("none", "compute", "memory"):
+            for b in (1, 4):
+                if r == 2 and load == "memory" and b == 4:
+                    continue  # the run stopped here
+                cell = [x for x in data if x["repeat"] == r and x["load"] == load and x["batch_size"] == b]
+                lines.append(json.dumps({"repeat": r, "load": load, "batch": 0 if b == 1 else 1, "runs": cell}))
+    checkpoint = tmp_path / "checkpoint.jsonl"
+    checkpoint.write_text("\n".join(lines) + "\n")
+    report = tmp_path / "ppo.md"
+    assert ppo_report_main(["--results", f"ood={checkpoint}", "--warm", "warm", "--replay", "replay", "--real", "real",
+                            "--report", str(report)]) == 0
+    doc = json.loads(report.with_suffix(".json").read_text())
+    assert doc["meta"]["ood"]["repeats"] == 2 and doc["meta"]["ood"]["partial"] == "2 of 3 repeats (from the checkpoint)"
+    assert len(doc["tables"]["ood"]["ratios"]["committed/warm"]["memory B=4"]["per_repeat"]) == 2
+    assert "partial: 2 of 3 repeats" in report.read_text()
