@@ -250,13 +250,13 @@ def _env_mode(cfg: TrainConfig, device_key: str, draft_name: str, target_name: s
 
 
 def condition_paths(cfg: TrainConfig, hp: dict, device_key: str, draft_name: str, target_name: str | None,
-                    own_profile: bool | None = None) -> list[str]:
+                    own_profile: bool) -> list[str]:
     """--condition-profiles, else the YAML's `condition_loads` as the load profiles of this device and draft that exist
     (one line for each that does not: profile_device.py --background-load L --out profiles/load writes it). With a
-    --profile of the user's (`own_profile` False; default: whether --profile is unset) the loads are its own to give."""
+    --profile the user gave (`own_profile` False) the loads are that profile's to give: none."""
     if cfg.condition_profiles is not None:
         return [p.strip() for p in cfg.condition_profiles.split(",") if p.strip()]
-    if not (cfg.profile is None if own_profile is None else own_profile):
+    if not own_profile:
         return []
     paths = []
     for load in hp.get("condition_loads") or []:

@@ -37,7 +37,7 @@ class ModelOptions:
     of 1-3 drafted tokens on this CPU; `python -m specpilot.bench.gemm` times both)."""
     threads: str = "auto"
     """CPU threads: auto (before each target pass torch's threads are set to the cores other processes leave free, as
-    the hardware monitor reads them: beside one busy core a two-thread step took up to 25x a one-thread step) | fixed
+    the hardware monitor reads them: beside one busy core two threads were ~10x slower than one: python -m specpilot.bench.threads) | fixed
     (torch's own count throughout)."""
     allow_device_mismatch: bool = False
     """Let a learned policy trained on another device run."""

@@ -269,8 +269,8 @@ GEMM_PATHS = ("auto", "linear", "small-rows")
 
 SMALL_ROW_CPUS = ("cpu-amd-epyc-",)
 """CPU machine keys (prefixes) whose fp32 products `python -m specpilot.bench.gemm` measured faster as SmallRowLinear
-(2-core AMD EPYC: a plain step 1.44x as fast). Elsewhere torch's own is kept: on a 2-core Intel Xeon (Sapphire Rapids,
-AMX) SmallRowLinear's 1-4 rows took twice nn.Linear's time (plain step 91.7 vs 46.6 ms, reports/README.md)."""
+(2-core AMD EPYC: a plain step 1.44x as fast). Elsewhere torch's own is kept: on a 2-core Intel Xeon (KVM,
+AVX-512/AMX) SmallRowLinear's 1-4 rows took twice nn.Linear's time (plain step 91.7 vs 46.6 ms, reports/README.md)."""
 
 
 def resolve_gemm(gemm: str, device: str, cpu: str | None = None) -> str:

@@ -1,12 +1,13 @@
 """Torch's CPU threads, following the cores other processes leave free.
 
-Beside one busy core, the two-thread decoder of a 2-core Intel Xeon took 360-1,090 ms a step instead of 43 ms:
+Beside one busy core, two-thread plain decoding on a 2-core Intel Xeon took 757-915 ms a token instead of 43 ms:
 OpenMP's barriers wait for the thread that shares its core with the other process, a whole time slice per parallel
-region. At one thread the same step took 68 ms, with or without the load (reports/README.md, "Co-running loads").
+region. Following the free cores it took 67-70 ms (`python -m specpilot.bench.threads`; reports/README.md, "A second
+machine").
 `ThreadGovernor.apply()`, called before every target pass of the loop, reads the share of the machine's CPU time
 other processes took (the hardware monitor's `hw_cpu_other_util`, polled in its own thread, rates over about a
 second) and sets torch's thread count to the cores they leave free: one array read when nothing changes. The
-tokens do not depend on it: the products split rows, not sums, across threads (tests/test_threads.py).
+tokens do not depend on it here (tests/test_threads.py; the benchmark's `same tokens`).
 """
 from __future__ import annotations
 

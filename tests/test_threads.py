@@ -72,3 +72,11 @@ def test_beside_a_real_load_the_loop_gives_up_a_thread_and_keeps_its_tokens(embe
         embedded_target.threads = kept
         torch.set_num_threads(before)
     assert spec == plain and loaded_plain == plain
+
+
+def test_the_threads_benchmark_refuses_an_unknown_load_in_one_line():
+    from specpilot.bench.threads import threads_main
+    from specpilot.decoding.errors import SpecPilotError
+
+    with pytest.raises(SpecPilotError, match="--loads takes names of none, compute, memory, both, got 'gpu'"):
+        threads_main(["--loads", "gpu"])
