@@ -42,6 +42,10 @@ def merge(members: list[LearnedK]) -> tuple[list[tuple[np.ndarray, np.ndarray]],
     if len(members) < 2:
         raise SpecPilotError("an ensemble needs at least two policies")
     first = members[0]
+    for m in members:
+        if m.by_batch:
+            raise SpecPilotError(f"policy {m.path} runs a network per batch size (by_batch): merge the phases' policies "
+                                 "(OUT/phases/NAME, or the seeds' run/candidates/NAME) instead")
     for m in members[1:]:
         for what in ("k_max", "action_to_k", "features"):
             if getattr(m, what) != getattr(first, what):

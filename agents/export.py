@@ -38,8 +38,11 @@ def _versions() -> dict:
 
 def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]], normalization: dict, activation: str,
                  k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict,
-                 check: Callable[[Path], object] | None = None) -> Path:
+                 check: Callable[[Path], object] | None = None, by_batch: dict[int, tuple] | None = None) -> Path:
     """Write policy.json + its weights (the format `LearnedK` reads) for an MLP given as (W, b) layers.
+
+    `by_batch` = {batch size: (phase name, layers, normalization)}: the network that decides batches from that size
+    up (to the next listed one), stored beside the main one; (phase name, None, None) is the main network itself.
 
     Atomic and checked: both files are written to a temporary folder beside `out_dir`, `check(meta_path)`
     runs there, the weights move in under a name of their own (policy-<sha>.safetensors, named in the
@@ -54,6 +57,17 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
         # transposed
         weights[f"{name}.weight"] = np.ascontiguousarray(w, dtype=np.float32)
         weights[f"{name}.bias"] = np.ascontiguousarray(b, dtype=np.float32)
+    table = {}
+    for size, (phase, sub_layers, sub_norm) in sorted((by_batch or {}).items()):
+        table[str(size)] = {"phase": phase}
+        if sub_layers is None:
+            continue
+        sub_names = [f"b{size}.layer{i}" for i in range(len(sub_layers))]
+        for name, (w, b) in zip(sub_names, sub_layers):
+            weights[f"{name}.weight"] = np.ascontiguousarray(w, dtype=np.float32)
+            weights[f"{name}.bias"] = np.ascontiguousarray(b, dtype=np.float32)
+        table[str(size)].update(layers=sub_names, normalization={
+            **sub_norm, "pinned": [f for f, p in zip(FEATURES, pinned_mask(sub_norm["var"])) if p]})
     blob = save(weights)
     weights_name = f"policy-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
     meta = {
@@ -73,6 +87,7 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
         "versions": _versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **provenance,
+        **({"by_batch": table} if table else {}),
     }
     for stale in out.glob(".export-*"):  # left by an export that was killed
         shutil.rmtree(stale, ignore_errors=True)

@@ -313,8 +313,9 @@ def train(
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if resume and not checkpoints(ckpt_dir):
-        raise SpecPilotError(f"--resume: no checkpoint in {ckpt_dir}")
+    if resume and not checkpoints(ckpt_dir):  # killed before its first checkpoint, or a chain whose PPO starts now
+        print(f"specpilot: --resume: no checkpoint in {ckpt_dir} yet: PPO starts from its first step", file=sys.stderr)
+        resume = False
     found = None
     run_id_file = out_dir / "wandb_run_id"
     resume_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else None

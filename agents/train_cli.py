@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -18,6 +19,7 @@ from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import gpu_names, resolve, shared_monitor
 from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.models import load_draft, load_target
+from specpilot.decoding.observation import FEATURES
 from specpilot.decoding.paths import (
     atomic_write_text,
     output_dir,
@@ -53,7 +55,7 @@ from .ensemble import merge_policies
 from .defer import defer_table, describe, write_defer
 from .export import export_policy, write_policy
 from .improve import improve_policy
-from .select import held_out, selection_scores
+from .select import batch_choice, held_out, selection_scores
 from .ppo import EnvFns, fit_rollouts, load_hyperparams, split_budget, train
 
 
@@ -711,7 +713,7 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
                             on_phase_end=phase_end)
         if selecting:  # every phase's policy is in candidates/ (the last one's is the final model's)
             venv.close()  # its envs' processes and background loads
-            return select_phase(run, candidates, member_out, provenance)
+            return select_phase(run, phase_candidates(candidates, phases), member_out, provenance)
         path = export_policy(model, venv, member_out, run.device_key, run.hardware_name, run.k_max, provenance,
                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
                              activation=str(hp["activation"]))
@@ -724,27 +726,54 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
     raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
 
 
-def select_phase(run: Run, candidates: Path, member_out: Path, provenance: dict) -> tuple[Path, str]:
-    """Phase 7b (with `select_holdout`): the warm start's and each phase's policy replayed on the held-out train
-    prompts under every machine condition; the best is exported (the last phase's unless another beats it)."""
-    found = {p.parent.name: p for p in sorted(candidates.glob("*/policy.json"))}
-    order = ["warm-start"] + [name for name in (p["name"] for p in provenance["phases"]) if name in found]
-    found = {name: found[name] for name in order if name in found}
+def select_phase(run: Run, found: dict[str, Path], out: Path, provenance: dict | None = None) -> tuple[Path, str]:
+    """Phase 7b (with `select_holdout`): the candidates (the warm start's and each phase's policy, in training order)
+    replayed on the held-out train prompts under every machine condition; at each batch size the best decides
+    (agents/select.py). `provenance`: of the exported policy (None: the one-row winner's own)."""
+    order = list(found)
     conditions = run.replay.conditions or [MachineCondition("none", run.replay.cost, run.replay.hardware)]
     scores = selection_scores(found, run.replay.holdout, conditions, run.k_max, run.batch_sizes, run.budget,
                               run.device_key, run.draft.name)
-    best = max(reversed(list(scores)), key=lambda n: scores[n]["score"])  # a tie goes to the later phase
-    last = order[-1]
+    choice = batch_choice(scores, order)
+    base = choice[min(choice)]
     print("specpilot: selection on " + f"{len(run.replay.holdout)} held-out train prompts: "
-          + ", ".join(f"{n} {v['score']:.4f}" for n, v in scores.items()) + f" -> {best}", file=sys.stderr)
-    selection = {"held_out_prompts": sorted(t.question_id for t in run.replay.holdout), "scores": scores, "chosen": best}
-    chosen = LearnedK.load(found[best], device=run.device_key, draft=run.draft.name, defer=False, replay=True)
-    meta = chosen.meta
-    layers = [(w.T.astype(np.float32), b.astype(np.float32)) for w, b in chosen.layers]
-    norm = {k: v for k, v in meta["normalization"].items() if k != "pinned"}
-    path = write_policy(member_out, layers, norm, meta["activation"], run.k_max, run.device_key, run.hardware_name,
-                        int(meta["training_steps"]), {**provenance, "selection": selection})
-    return path, f"the {best} policy, picked on held-out train prompts" + ("" if best == last else f" over {last}")
+          + ", ".join(f"{n} {v['score']:.4f}" for n, v in scores.items()) + " -> "
+          + ", ".join(f"B={b} {n}" for b, n in choice.items()), file=sys.stderr)
+    nets = {name: LearnedK.load(found[name], device=run.device_key, draft=run.draft.name, defer=False, replay=True)
+            for name in dict.fromkeys(choice.values())}
+    selection = {"held_out_prompts": sorted(t.question_id for t in run.replay.holdout), "scores": scores,
+                 "chosen": base, "by_batch": {str(b): n for b, n in choice.items()}}
+    meta = nets[base].meta
+    if provenance is None:
+        written = {"format_version", "weights", "features", "normalization", "activation", "layers", "action_to_k",
+                   "k_max", "device", "hardware_name", "training_steps", "versions", "created", "by_batch", "defer",
+                   "defer_evidence", "selection", "candidate"}
+        provenance = {key: value for key, value in meta.items() if key not in written}
+    by_batch = ({b: (name, None, None) if name == base else (name, *network_parts(nets[name]))
+                 for b, name in choice.items()} if len(nets) > 1 else None)
+    path = write_policy(out, *network_parts(nets[base]), meta["activation"], run.k_max, run.device_key, run.hardware_name,
+                        max(int(m.meta["training_steps"]) for m in nets.values()), {**provenance, "selection": selection},
+                        by_batch=by_batch, check=lambda p: check_by_batch(p, nets, choice))
+    return path, ("the " + " / ".join(f"{n} (B >= {min(b for b in choice if choice[b] == n)})" for n in nets)
+                  + " policy, picked per batch size on held-out train prompts")
+
+
+def network_parts(policy: LearnedK) -> tuple[list, dict]:
+    """(layers as (W, b) with W of shape (out, in), normalisation) of a loaded policy's own network."""
+    layers = [(w.T.astype(np.float32), b.astype(np.float32)) for w, b in policy.layers]
+    return layers, {k: v for k, v in policy.meta["normalization"].items() if k != "pinned"}
+
+
+def check_by_batch(meta_path: Path, nets: dict[str, LearnedK], choice: dict[int, str], n: int = 256) -> None:
+    """The written policy decides each selected batch size as the network chosen for it does (an error if not)."""
+    written = LearnedK.load(meta_path, allow_device_mismatch=True, defer=False, replay=True)
+    rng = np.random.default_rng(0)
+    for b, name in choice.items():
+        lo, hi, _ = nets[name].input_bounds()
+        obs = lo + (np.where(np.isfinite(hi), hi, lo) - lo) * rng.random((n, len(lo)))
+        obs[:, FEATURES.index("batch_size_log")] = math.log(b)
+        if not np.allclose(written.logits(obs), nets[name].logits(obs), atol=1e-5):
+            raise SpecPilotError(f"by-batch export check failed: at B={b} the written policy is not {name}'s")
 
 
 def train_members(run: Run, phases: list[tuple], warm: int) -> tuple[Path, str]:
@@ -760,9 +789,18 @@ def train_members(run: Run, phases: list[tuple], warm: int) -> tuple[Path, str]:
             print(f"specpilot: seed {seed} ({number}/{len(run.seeds)})", file=sys.stderr)
             train_member(run, phases, warm, seed, member_out)
         members.append(member_out / "policy.json")
+    kept = keep_phase_policies(run, [m.parent for m in members])
+    if kept and run.replay is not None and run.replay.holdout:  # the phases merged over the seeds, picked per batch size
+        path, how = select_phase(run, phase_candidates(run.out / "phases", phases), run.out)
+        return path, how.replace(" policy,", f" policy (each the mean of {len(run.seeds)} seeds' networks),")
     merged = merge_policies(members, run.out)
-    keep_phase_policies(run, [m.parent for m in members])
     return merged, f"the mean of {len(run.seeds)} seeds' policies ({', '.join(map(str, run.seeds))}), checked against theirs"
+
+
+def phase_candidates(folder: Path, phases: list[tuple]) -> dict[str, Path]:
+    """{name: policy.json} of the phases' policies in folder (the warm start first, then in training order)."""
+    order = ["warm-start"] + [p[0] for p in phases]
+    return {name: folder / name / "policy.json" for name in order if (folder / name / "policy.json").exists()}
 
 
 def keep_phase_policies(run: Run, members: list[Path]) -> list[Path]:

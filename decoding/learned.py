@@ -86,6 +86,12 @@ class LearnedK(LengthPolicy):
         """Decisions the rules of `defer` made."""
         if defer and meta.get("defer"):
             self.defer = _deferred_rules(meta["defer"], self.k_max, path)
+        self.by_batch: dict[int, LearnedK | None] = {}
+        """{batch size: the network deciding that batch, or None for this one} (meta `by_batch`, written where the
+        held-out selection picked another training phase's network at some batch sizes: agents/select.py). A batch
+        of B rows is decided by the entry of the largest listed size <= B; empty: this network everywhere."""
+        if meta.get("by_batch"):
+            self.by_batch = _batch_networks(meta, weights, path)
         # the features it reads, in its order: all of this version's, or (a policy exported before features were
         # added) a subset, taken from the observation by name
         self.features = list(meta.get("features") or FEATURES)
@@ -126,6 +132,9 @@ class LearnedK(LengthPolicy):
         self.layers = [(np.ascontiguousarray(weights[f"{name}.weight"].astype(np.float64).T),
                         weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
         self._prepare_layers()
+        for sub in self.by_batch.values():
+            if sub is not None:  # one count of the inputs clipped, whichever network decided
+                sub.clipped_by_feature = self.clipped_by_feature
 
     def _prepare_layers(self) -> None:
         """The layers the decisions run: float32, as trained (the input normalised in float64 first, as SB3's
@@ -212,6 +221,9 @@ class LearnedK(LengthPolicy):
         except Exception as exc:  # safetensors raises its own error types for truncated or foreign files
             raise SpecPilotError(f"corrupt or incompatible policy weights {weights_path}: {type(exc).__name__}: {exc}") from None
         policy._check_shapes()
+        for sub in policy.by_batch.values():
+            if sub is not None:
+                sub._check_shapes()
         return policy
 
     def _check_shapes(self) -> None:
@@ -244,10 +256,21 @@ class LearnedK(LengthPolicy):
         by_name = dict(zip(HW_FEATURES, np.asarray(values, dtype=np.float64)))
         self._pinned_at = (np.array(columns, dtype=np.int64), np.array([by_name[self.features[i]] for i in columns]))
         self.name += "-idle-counters"
+        for sub in self.by_batch.values():
+            if sub is not None:
+                sub.pin_counters(values)
         return self
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
-        """Action logits for one observation (or a batch, shape (n, features))."""
+        """Action logits for one observation (or a batch, shape (n, features)), each from the network that decides
+        its batch size (`by_batch`)."""
+        if self.by_batch:
+            rows = np.atleast_2d(np.asarray(obs, dtype=np.float64))
+            out = np.stack([(at_or_below(self.by_batch, batch_of(row)) or self)._logits(row) for row in rows])
+            return out if np.ndim(obs) == 2 else out[0]
+        return self._logits(obs)
+
+    def _logits(self, obs: np.ndarray) -> np.ndarray:
         x = np.array(obs, dtype=np.float64)
         if self._columns is not None:
             x = x[..., self._columns]
@@ -281,6 +304,16 @@ class LearnedK(LengthPolicy):
             if rule is not None:
                 self.deferred += 1
                 return rule.choose_k(obs)
+        if self.by_batch:
+            sub = at_or_below(self.by_batch, batch_of(obs))
+            if sub is not None:  # its counts are this policy's
+                calls, out, bad = sub.calls, sub.out_of_range, sub.non_finite
+                sub.strict = self.strict
+                k = sub.choose_k(obs)
+                self.calls += sub.calls - calls
+                self.out_of_range += sub.out_of_range - out
+                self.non_finite += sub.non_finite - bad
+                return k
         x = np.asarray(obs, dtype=np.float64)
         if self._columns is not None:
             x = x[self._columns]
@@ -333,6 +366,31 @@ class LearnedK(LengthPolicy):
         for _ in range(calls):
             self.choose_k(obs)
         return (time.perf_counter() - t0) / calls
+
+
+def _batch_networks(meta: dict, weights: dict[str, np.ndarray], path: str) -> dict[int, "LearnedK | None"]:
+    """{batch size: LearnedK or None} from a policy's `by_batch` entry ({"1": {"phase": "real"}, "4": {"phase":
+    "warm-start", "layers": [...], "normalization": {...}}, ...}: an entry without layers is the policy's own network)."""
+    networks = {}
+    for batch, entry in meta["by_batch"].items():
+        try:
+            size = int(batch)
+        except (TypeError, ValueError):
+            size = 0
+        if size < 1 or not isinstance(entry, dict) or ("layers" in entry) != ("normalization" in entry):
+            raise SpecPilotError(f"policy {path}: by_batch entry {batch!r} is not (batch size >= 1: "
+                                 "{phase[, layers, normalization]})")
+        if "layers" not in entry:
+            networks[size] = None
+            continue
+        missing = [f"{name}.{part}" for name in entry["layers"] for part in ("weight", "bias")
+                   if f"{name}.{part}" not in weights]
+        if missing:
+            raise SpecPilotError(f"policy {path}: by_batch entry {batch!r}: the weights lack {missing[:2]}")
+        sub_meta = {**meta, "layers": entry["layers"], "normalization": entry["normalization"], "by_batch": None,
+                    "defer": None}
+        networks[size] = LearnedK(sub_meta, weights, path, defer=False)
+    return dict(sorted(networks.items()))
 
 
 def _deferred_rules(defer: dict, k_max: int, path: str) -> dict[int, LengthPolicy | None]:

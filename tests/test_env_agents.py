@@ -274,11 +274,19 @@ def test_timesteps_is_the_total_of_the_run(tiny_model_dirs, tmp_path, capsys):
     assert "real 40 PPO steps, rollouts of 40 steps" in capsys.readouterr().err
 
 
-def test_resume_without_checkpoint_is_an_error(tiny_model_dirs, tmp_path):
+def test_resume_without_checkpoint_starts_ppo(tiny_model_dirs, tmp_path, capsys):
+    """A chain resumed before PPO's first checkpoint (killed early, or its earlier steps kept on purpose) trains
+    from the first step and says so; a checkpoint that does not load stays an error."""
     from specpilot.agents.train_cli import train_main
 
-    with pytest.raises(SpecPilotError, match="no checkpoint"):
-        train_main(train_args(tiny_model_dirs, tmp_path, 64, "--no-track", "--resume"))
+    assert train_main(train_args(tiny_model_dirs, tmp_path, 64, "--no-track", "--resume")) == 0
+    assert "no checkpoint in" in capsys.readouterr().err
+    assert json.loads((policy_dir(tmp_path) / "policy.json").read_text())["training_steps"] == 64
+    ckpts = policy_dir(tmp_path) / "run" / "checkpoints"
+    for f in ckpts.glob("*.zip"):
+        f.write_bytes(b"not a zip")
+    with pytest.raises(SpecPilotError, match="no checkpoint in .* loads"):
+        train_main(train_args(tiny_model_dirs, tmp_path, 128, "--no-track", "--resume"))
 
 
 def test_offline_wandb_run_folder(tiny_model_dirs, tmp_path, monkeypatch):
