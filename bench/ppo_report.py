@@ -26,7 +26,7 @@ from .report import provenance, provenance_line
 
 ROLES = ("warm", "replay", "real", "committed", "pinned", "rule")
 LABELS = {"warm": "warm start alone", "replay": "+ PPO on replay", "real": "+ PPO on the real loop",
-          "committed": "exported (per seed, the phase picked on held-out train prompts)",
+          "committed": "exported (per batch size, the phase picked on held-out train prompts)",
           "pinned": "exported, counters pinned to idle", "rule": "best tuned rule"}
 RATIOS = (("committed", "warm"), ("replay", "warm"), ("real", "warm"), ("committed", "rule"), ("replay", "rule"), ("real", "rule"),
           ("committed", "pinned"))
@@ -54,6 +54,8 @@ class PpoReportConfig:
     """The best rule tuned on the train split."""
     report: str = "reports/ppo.md"
     """The report page (its JSON and plot beside it)."""
+    exported: str = ""
+    """The exported policy's policy.json (optional): the page says which phase's network decides which batch size."""
 
 
 def read_checkpoint(path: str | Path, split: str) -> dict:
@@ -178,6 +180,11 @@ def markdown(doc: dict, png: str) -> str:
                         if meta.get("partial") else ""))
     same = doc["names"].get("committed") == doc["names"].get("warm")
     lines += ["", "Policies: " + "; ".join(f"{LABELS[role]} = `{name}`" for role, name in doc["names"].items()), ""]
+    if doc.get("by_batch"):
+        lines += ["The exported policy runs, per batch size, the network of the phase that replayed best on the held-out "
+                  "train prompts: " + ", ".join(f"B >= {b} {name}" for b, name in doc["by_batch"].items()) + ". Where it "
+                  "runs a phase's network, its row and that phase's row are the same network measured apart (with live "
+                  "counters, not always the same decisions): their gap is the benchmark's noise.", ""]
     if same:
         lines += ["The exported policy is the warm start: on the held-out train prompts each seed's PPO phases replayed "
                   "below it, so the selection kept it. The PPO phases' rows are the merged policies of `phases/`.", ""]
@@ -257,6 +264,9 @@ def ppo_report_main(argv: list[str] | None = None) -> int:
     report = Path(cfg.report)
     out = {"provenance": provenance({"policies": policies}), "names": names, "results": sources, "meta": metas,
            "mismatches": mismatches, "tables": tables, "targets": [list(t) for t in targets(tables)]}
+    if cfg.exported:
+        meta = read_json_file(cfg.exported, "exported policy", keys=("weights",))
+        out["by_batch"] = (meta.get("selection") or {}).get("by_batch") or {}
     report.parent.mkdir(parents=True, exist_ok=True)
     plot(out, report.with_suffix(".png"))
     atomic_write_text(report.with_suffix(".json"), json.dumps(out, indent=1))

@@ -106,3 +106,15 @@ def test_a_run_not_finished_reads_as_its_complete_repeats(tmp_path):
     assert doc["meta"]["ood"]["repeats"] == 2 and doc["meta"]["ood"]["partial"] == "2 of 3 repeats (from the checkpoint)"
     assert len(doc["tables"]["ood"]["ratios"]["committed/warm"]["memory B=4"]["per_repeat"]) == 2
     assert "partial: 2 of 3 repeats" in report.read_text()
+
+
+def test_the_page_names_the_phase_of_each_batch_size(tmp_path):
+    """With --exported, the page says which phase's network the exported policy runs at which batch size."""
+    test = write(tmp_path, "test", runs())
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"weights": "w", "selection": {"by_batch": {"1": "replay", "4": "warm-start"}}}))
+    report = tmp_path / "ppo.md"
+    assert ppo_report_main(["--results", str(test), "--warm", "warm", "--replay", "replay", "--real", "real",
+                            "--exported", str(policy), "--report", str(report)]) == 0
+    assert "B >= 1 replay, B >= 4 warm-start" in report.read_text()
+    assert json.loads(report.with_suffix(".json").read_text())["by_batch"] == {"1": "replay", "4": "warm-start"}
