@@ -40,6 +40,7 @@ from .models import SmallRowLinear, Target, load_draft, use_small_row_gemm
 from .observation import ObservationBuilder
 from .policies import LengthPolicy, parse_policy
 from .sampling import Sampling
+from .threads import THREAD_MODES, ThreadGovernor
 
 CUSTOM_GENERATE_REPO = Path(__file__).with_name("hub")
 """A folder in the Hub's `custom_generate` layout (`custom_generate/generate.py`), for `custom_generate=str(...)`."""
@@ -122,11 +123,13 @@ def kernels_for(model, kernels: str | None):
 
 def specpilot_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                        draft="ngram", policy="learned", k_max: int | None = None, seed: int | None = None,
-                       kernels: str | None = None, specpilot_streamer=None, **model_kwargs):
+                       kernels: str | None = None, specpilot_streamer=None, threads: str = "auto", **model_kwargs):
     """transformers' `custom_generate` callable: decode `input_ids` (a batch, left-padded with its attention_mask
     in `model_kwargs`) with the project's speculative loop. `draft`, `policy`, `k_max`, `seed` (sampling; default:
     drawn from torch's global generator, so `torch.manual_seed` governs it), `kernels` and `specpilot_streamer`
-    reach it as extra `generate` keyword arguments. Returns the `sequences` tensor, or with
+    reach it as extra `generate` keyword arguments. `threads="auto"` (a model on the CPU): torch's threads follow the
+    cores other processes leave free during the call (decoding/threads.py; beside one busy core two threads ran ~10x
+    slower), and torch's count is back to the caller's after it; "fixed": torch's count as set. Returns the `sequences` tensor, or with
     `return_dict_in_generate` transformers' output with `sequences` and `.speculation` (the loop's statistics)."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -147,8 +150,12 @@ def specpilot_generate(model, input_ids, logits_processor=None, stopping_criteri
     eos = _eos_ids(config)
     pad = getattr(config, "pad_token_id", None)
     pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+    if threads not in THREAD_MODES:
+        raise SpecPilotError(f"threads={threads!r}: expected one of {', '.join(THREAD_MODES)}")
+    on_cpu = threads == "auto" and torch.device(getattr(model, "device", "cpu")).type == "cpu"
+    governor = ThreadGovernor(most=torch.get_num_threads()) if on_cpu else None
     target = Target(model=model, tokenizer=None, name=str(getattr(model, "name_or_path", "") or type(model).__name__),
-                    eos_ids=frozenset(eos))
+                    eos_ids=frozenset(eos), threads=governor)
     drafter = _drafter(draft, target)
     length_policy = _policy(policy, drafter, target, k_max)
     if seed is None:
@@ -157,9 +164,13 @@ def specpilot_generate(model, input_ids, logits_processor=None, stopping_criteri
     if specpilot_streamer is not None:
         specpilot_streamer.put(input_ids.cpu())
         on_step = lambda step: specpilot_streamer.put(torch.tensor(step.new_tokens, dtype=torch.long))  # noqa: E731
-    with kernels_for(model, kernels), torch.no_grad():
-        result = generate(target, drafter, length_policy, prompts if batch > 1 else prompts[0], max_new, _sampling(config),
-                          seed=seed, on_step=on_step)
+    try:
+        with kernels_for(model, kernels), torch.no_grad():
+            result = generate(target, drafter, length_policy, prompts if batch > 1 else prompts[0], max_new,
+                              _sampling(config), seed=seed, on_step=on_step)
+    finally:
+        if governor is not None:
+            governor.restore()  # the caller's thread count
     if specpilot_streamer is not None:
         specpilot_streamer.end()
     rows = result.token_ids if batch > 1 else [result.token_ids]

@@ -243,6 +243,7 @@ class ReplayEnv(gym.Env):
         seconds = table[drafted] * self.shape[drafted] * noise
         draft_s = min(draft_per_token * drafted * noise, seconds)
         first = rows[0].trace, rows[0].length - rows[0].prompt_len
+        positions = [r.length - r.prompt_len for r in rows]  # each row's position before this step
         for r, accepted in zip(rows, accepted_rows):
             n_new = min(accepted + 1, r.end - (r.length - r.prompt_len))
             new_rows.append(r.buffer[r.length : r.length + n_new].tolist())
@@ -253,8 +254,8 @@ class ReplayEnv(gym.Env):
                           accepted=accepted_rows[0] if batch == 1 else sum(accepted_rows) / batch,
                           new_tokens=[t for new in new_rows for t in new],
                           draft_s=draft_s, verify_s=seconds - draft_s,
-                          confidences=trace.confidences[i][:drafted] if trace.confidences and batch == 1 else [],
-                          entropies=trace.entropies[i][:drafted] if trace.entropies and batch == 1 else [],
+                          confidences=batch_means([(r.trace.confidences, p) for r, p in zip(rows, positions)], drafted),
+                          entropies=batch_means([(r.trace.entropies, p) for r, p in zip(rows, positions)], drafted),
                           match_len=trace.match_lens[i] if trace.match_lens else 0, context_len=round(context),
                           accepted_rows=accepted_rows, new_rows=new_rows)
         state.width += max(accepted_rows) + 1
@@ -272,6 +273,18 @@ class ReplayEnv(gym.Env):
         if state.done:
             info["spec_episode"] = self.episode.summary(self.trace.category)
         return self.observer.build(state), float(reward), state.done, False, info
+
+
+def batch_means(per_row: list[tuple[list[list[float]], int]], drafted: int) -> list[float]:
+    """What the real loop reports of a batch's draft (its drafters' confidences and entropies): per drafted depth the mean
+    over the rows that proposed a token there, from each row's trace at its position; [] when the traces hold none."""
+    out = []
+    for d in range(drafted):
+        values = [values_at[p][d] for values_at, p in per_row if values_at and p < len(values_at) and d < len(values_at[p])]
+        if not values:
+            break
+        out.append(sum(values) / len(values))
+    return out
 
 
 def replay_steps_per_second(env: ReplayEnv, steps: int = 20000, seed: int = 0) -> float:

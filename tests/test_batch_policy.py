@@ -476,3 +476,29 @@ def test_a_report_keeps_its_runs_timings_and_paired_cli_re_reads_them(tmp_path, 
     assert run_cli(paired_main, ["--results", str(report.with_suffix(".json")), "--by-category"]) == 0
     assert "B=1 qa                       1.250 [1.250, 1.250]" in capsys.readouterr().out
     assert sorted(x.name for x in report.parent.iterdir()) == ["page.json", "page.md", "page.png"]
+
+
+def test_a_batch_replay_reports_its_drafts_confidences_as_the_real_loop_does():
+    """A model draft's confidences and entropies at B > 1 are, per drafted depth, the mean over the rows (as
+    `HeadDrafter.propose_batch` reports them), each row's taken at its own position; at one row, the row's own. (The
+    replay used to report none at B > 1, so `draft_confidence_*` kept the last one-row value.)"""
+    def trace(qid, scale):
+        n = 6
+        return Trace(qid, "c", list(range(5)), list(range(100, 100 + n)), [1] * n, [K_MAX] * n, k_max=K_MAX,
+                     confidences=[[scale * (0.9 - 0.1 * d) - 0.01 * i for d in range(K_MAX)] for i in range(n)],
+                     entropies=[[scale * (0.5 + 0.2 * d) + 0.01 * i for d in range(K_MAX)] for i in range(n)])
+
+    traces = [trace("a", 1.0), trace("b", 0.5)]
+    env = ReplayEnv(traces, CostModel.from_profile(batch_profile()), k_max=K_MAX, noise=0.0, batch_sizes=[1, 4])
+    env.reset(seed=0, options={"trace_indices": [0, 1]})
+    env.step(3)  # both rows at position 0: one drafted token accepted each, so both move to position 2
+    first = env.last_step
+    assert first.confidences == pytest.approx([0.75 * (0.9 - 0.1 * d) for d in range(3)])
+    assert first.entropies == pytest.approx([0.75 * (0.5 + 0.2 * d) for d in range(3)])
+    env.step(2)
+    assert env.last_step.confidences == pytest.approx([0.75 * (0.9 - 0.1 * d) - 0.02 for d in range(2)])
+    obs = env.observer.build(env.state)
+    assert obs[FEATURES.index("draft_confidence_min")] == pytest.approx(0.75 * 0.8 - 0.02)
+    env.reset(seed=0, options={"trace_indices": [1]})
+    env.step(2)
+    assert env.last_step.confidences == pytest.approx([0.5 * (0.9 - 0.1 * d) for d in range(2)])

@@ -216,3 +216,47 @@ def test_the_transformers_report_pairs_speedups_within_each_repeat():
     assert table["sp:learned"]["over sp:none"]["per_repeat"] == [1.6, 1.6, 1.28]
     assert table["sp:learned"]["identical"] is False and table["sp:none"]["identical"] is True
     assert table["hf:plain"]["over hf:plain"]["interval"] == [1.0, 1.0]
+
+
+@pytest.mark.embedded
+def test_torch_threads_follow_the_free_cores_during_the_call_and_come_back(hf, monkeypatch):
+    """threads="auto": with other processes holding one of two cores the loop decodes on one thread (the same tokens as
+    transformers' greedy), and torch's count is the caller's again after the call; "fixed" leaves it alone."""
+    import numpy as np
+
+    import specpilot.decoding.threads as threads
+    from specpilot.decoding.hardware import HW_FEATURES
+    from specpilot.decoding.policies import StaticK
+
+    class Busy:
+        def read(self):
+            values = np.zeros(len(HW_FEATURES), dtype=np.float32)
+            values[HW_FEATURES.index("hw_cpu_other_util")] = 0.5
+            return values
+
+    class Watch(StaticK):  # a policy that sees torch's thread count at every decision
+        seen: list = []
+
+        def choose_k(self, obs):
+            self.seen.append(torch.get_num_threads())
+            return super().choose_k(obs)
+
+    monkeypatch.setattr(threads, "shared_monitor", lambda device: Busy())
+    monkeypatch.setattr(threads, "cpu_cores", lambda: 2)
+    model, tokenizer, texts = hf
+    inputs = tokenizer(texts[0], return_tensors="pt")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = plain(model, inputs, max_new_tokens=8)
+        for mode, during in (("auto", 1), ("fixed", 2)):
+            policy = Watch(2)
+            policy.seen = []
+            got = model.generate(**inputs, do_sample=False, max_new_tokens=8, custom_generate=specpilot_generate,
+                                 policy=policy, threads=mode)
+            assert torch.equal(got, expected) and set(policy.seen[1:]) == {during}, mode
+            assert torch.get_num_threads() == 2
+        with pytest.raises(SpecPilotError, match="threads='many'"):
+            model.generate(**inputs, max_new_tokens=2, custom_generate=specpilot_generate, policy="static:2", threads="many")
+    finally:
+        torch.set_num_threads(before)
