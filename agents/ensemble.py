@@ -22,7 +22,7 @@ from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.observation import FEATURES
 from specpilot.decoding.paths import relative
 
-from .export import write_policy
+from .export import provenance_of, write_policy
 
 
 @dataclass
@@ -127,9 +127,7 @@ def merge_policies(paths: list, out) -> Path:
     members = [LearnedK.load(p, allow_device_mismatch=True) for p in paths]
     layers, normalization = merge(members)
     meta = members[0].meta
-    written = {"format_version", "weights", "features", "normalization", "activation", "layers", "action_to_k",
-               "k_max", "device", "hardware_name", "training_steps", "versions", "created", "seed", "ensemble"}
-    provenance = {key: value for key, value in meta.items() if key not in written}  # what the members share
+    provenance = provenance_of(meta, ("seed", "ensemble"))  # what the members share
     provenance["ensemble"] = [{"path": relative(m.path), "weights": m.meta.get("weights"), "seed": m.meta.get("seed")}
                               for m in members]
     return write_policy(out, layers, normalization, meta["activation"], members[0].k_max, meta["device"],

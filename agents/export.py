@@ -36,6 +36,16 @@ def _versions() -> dict:
             "gymnasium": gymnasium.__version__, "numpy": np.__version__, "python": platform.python_version()}
 
 
+WRITTEN_KEYS = frozenset({"format_version", "weights", "features", "normalization", "activation", "layers", "action_to_k",
+                          "k_max", "device", "hardware_name", "training_steps", "versions", "created", "by_batch"})
+"""The keys `write_policy` writes itself: the rest of a policy's meta is its provenance."""
+
+
+def provenance_of(meta: dict, also: tuple[str, ...] = ()) -> dict:
+    """A written policy's provenance (its meta less what `write_policy` writes, less `also`), to write it again."""
+    return {key: value for key, value in meta.items() if key not in WRITTEN_KEYS and key not in also}
+
+
 def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]], normalization: dict, activation: str,
                  k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict,
                  check: Callable[[Path], object] | None = None, by_batch: dict[int, tuple] | None = None) -> Path:

@@ -53,7 +53,7 @@ from specpilot.env.replay_env import MachineCondition, replay_steps_per_second
 
 from .ensemble import merge_policies
 from .defer import defer_table, describe, write_defer
-from .export import export_policy, write_policy
+from .export import export_policy, provenance_of, write_policy
 from .improve import improve_policy
 from .select import batch_choice, held_out, selection_scores
 from .ppo import EnvFns, fit_rollouts, load_hyperparams, split_budget, train
@@ -745,10 +745,7 @@ def select_phase(run: Run, found: dict[str, Path], out: Path, provenance: dict |
                  "chosen": base, "by_batch": {str(b): n for b, n in choice.items()}}
     meta = nets[base].meta
     if provenance is None:
-        written = {"format_version", "weights", "features", "normalization", "activation", "layers", "action_to_k",
-                   "k_max", "device", "hardware_name", "training_steps", "versions", "created", "by_batch", "defer",
-                   "defer_evidence", "selection", "candidate"}
-        provenance = {key: value for key, value in meta.items() if key not in written}
+        provenance = provenance_of(meta, ("defer", "defer_evidence", "selection", "candidate"))
     by_batch = ({b: (name, None, None) if name == base else (name, *network_parts(nets[name]))
                  for b, name in choice.items()} if len(nets) > 1 else None)
     path = write_policy(out, *network_parts(nets[base]), meta["activation"], run.k_max, run.device_key, run.hardware_name,
