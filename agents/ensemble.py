@@ -47,7 +47,7 @@ def merge(members: list[LearnedK]) -> tuple[list[tuple[np.ndarray, np.ndarray]],
             raise SpecPilotError(f"policy {m.path} runs a network per batch size (by_batch): merge the phases' policies "
                                  "(OUT/phases/NAME, or the seeds' run/candidates/NAME) instead")
     for m in members[1:]:
-        for what in ("k_max", "action_to_k", "features"):
+        for what in ("k_max", "action_to_k", "action_to_stop", "features"):
             if getattr(m, what) != getattr(first, what):
                 raise SpecPilotError(f"policies {first.path} and {m.path} differ in {what}: not one device's seeds")
         for what in ("device", "draft", "activation"):
@@ -132,7 +132,8 @@ def merge_policies(paths: list, out) -> Path:
                               for m in members]
     return write_policy(out, layers, normalization, meta["activation"], members[0].k_max, meta["device"],
                         meta.get("hardware_name", ""), sum(int(m.meta.get("training_steps", 0)) for m in members),
-                        provenance, check=lambda path: check_merged(members, path))
+                        provenance, check=lambda path: check_merged(members, path),
+                        stop_levels=members[0].actions.stop_levels)
 
 
 def ensemble_main(argv: list[str] | None = None) -> int:

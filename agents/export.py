@@ -23,6 +23,7 @@ from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.learned import FORMAT_VERSION, LearnedK, pinned_mask
 from specpilot.decoding.observation import FEATURES
 from specpilot.decoding.paths import atomic_write_text
+from specpilot.decoding.policies import ActionTable
 
 
 def _linear_layers(model) -> list[torch.nn.Linear]:
@@ -37,7 +38,7 @@ def _versions() -> dict:
 
 
 WRITTEN_KEYS = frozenset({"format_version", "weights", "features", "normalization", "activation", "layers", "action_to_k",
-                          "k_max", "device", "hardware_name", "training_steps", "versions", "created", "by_batch"})
+                          "action_to_stop", "k_max", "device", "hardware_name", "training_steps", "versions", "created", "by_batch"})
 """The keys `write_policy` writes itself: the rest of a policy's meta is its provenance."""
 
 
@@ -48,11 +49,14 @@ def provenance_of(meta: dict, also: tuple[str, ...] = ()) -> dict:
 
 def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]], normalization: dict, activation: str,
                  k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict,
-                 check: Callable[[Path], object] | None = None, by_batch: dict[int, tuple] | None = None) -> Path:
+                 check: Callable[[Path], object] | None = None, by_batch: dict[int, tuple] | None = None,
+                 stop_levels=(0.0,)) -> Path:
     """Write policy.json + its weights (the format `LearnedK` reads) for an MLP given as (W, b) layers.
 
     `by_batch` = {batch size: (phase name, layers, normalization)}: the network that decides batches from that size
     up (to the next listed one), stored beside the main one; (phase name, None, None) is the main network itself.
+    `stop_levels`: the networks' actions are (k, stop level) pairs (`decoding.policies.ActionTable`), listed in
+    `action_to_k` and `action_to_stop` (only k, as before, with the one level 0).
 
     Atomic and checked: both files are written to a temporary folder beside `out_dir`, `check(meta_path)`
     runs there, the weights move in under a name of their own (policy-<sha>.safetensors, named in the
@@ -60,6 +64,7 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
     the previous policy loadable; the one replaced is kept as policy.prev.json (+ its weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    actions = ActionTable(k_max, stop_levels)
     names = [f"layer{i}" for i in range(len(layers))]
     weights = {}
     for name, (w, b) in zip(names, layers):
@@ -89,7 +94,8 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
         "normalization": {**normalization, "pinned": [f for f, p in zip(FEATURES, pinned_mask(normalization["var"])) if p]},
         "activation": activation,
         "layers": names,
-        "action_to_k": list(range(k_max + 1)),
+        "action_to_k": actions.to_k,
+        **({"action_to_stop": actions.to_stop} if len(actions.stop_levels) > 1 else {}),
         "k_max": k_max,
         "device": device,
         "hardware_name": hardware_name,
@@ -155,13 +161,14 @@ def keep_previous(out: Path) -> None:
 
 
 def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
-                  check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
+                  check_obs: np.ndarray | None = None, activation: str = "tanh", stop_levels=(0.0,)) -> Path:
     """Write the policy; it is committed only once LearnedK picks SB3's actions on a batch of observations."""
     layers = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy()) for layer in _linear_layers(model)]
     normalization = {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
                      "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs)}
     return write_policy(out_dir, layers, normalization, activation, k_max, device, hardware_name, model.num_timesteps,
-                        provenance, check=lambda meta_path: check_export(model, venv, meta_path, device, check_obs))
+                        provenance, check=lambda meta_path: check_export(model, venv, meta_path, device, check_obs),
+                        stop_levels=stop_levels)
 
 
 def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | None = None, n: int = 512) -> float:

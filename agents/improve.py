@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.learned import LearnedK, pinned_mask
-from specpilot.decoding.policies import LengthPolicy
+from specpilot.decoding.policies import ActionTable, LengthPolicy
 from specpilot.decoding.prompts import batches_of
 from specpilot.env.oracle import CostModel, Trace, hindsight_q
-from specpilot.env.replay_env import MachineCondition, ReplayEnv
+from specpilot.env.replay_env import MachineCondition, ReplayEnv, stop_depth
 
 
 ENTROPY = 0.02
@@ -41,30 +41,45 @@ class Dataset:
     obs: np.ndarray
     """(n, features) observations of the visited states."""
     regret: np.ndarray
-    """(n, k_max + 1): Q(s, k) - min_k Q(s, k), in plain steps of the episode's batch."""
+    """(n, actions): Q(s, a) - min_a Q(s, a), in plain steps of the episode's batch (an action is k, or with stop
+    levels a (k, stop level) pair: `decoding.policies.ActionTable`)."""
     batch: np.ndarray
     """(n,) the batch size of each state's episode."""
 
 
-def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, k: int, memo: dict) -> float:
-    """Seconds to finish the episode from `env`'s state: one step with k, then `policy` (copies; the
-    originals are untouched)."""
+def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, action: int, memo: dict) -> float:
+    """Seconds to finish the episode from `env`'s state: one step with this action, then `policy` (with its own
+    stop rule; copies: the originals are untouched)."""
     env, policy = copy.deepcopy(env, dict(memo)), copy.deepcopy(policy)
-    _, _, done, _, info = env.step(k)
+    _, _, done, _, info = env.step(action)
     policy.update(env.last_step)
     seconds = info["seconds"]
     while not done:
-        _, _, done, _, info = env.step(policy.choose_k(env.observer.build(env.state)))
+        k = policy.choose_k(env.observer.build(env.state))
+        env.stop = policy.stop
+        _, _, done, _, info = env.step(k)
         policy.update(env.last_step)
         seconds += info["seconds"]
     return seconds
+
+
+def hindsight_actions(q: np.ndarray, env: ReplayEnv) -> np.ndarray:
+    """Q*(s, a) for each action of the env's table from the oracle's Q*(s, k) of its one row (`hindsight_q`): an
+    action's k, cut where its stop level stops the draft (`stop_depth`, from the row's trace)."""
+    row = env.state.rows[0]
+    at = (row.trace, row.length - row.prompt_len)
+    out = np.empty(len(env.actions))
+    for a in range(len(env.actions)):
+        k, stop = env.actions.decode(a)
+        out[a] = q[stop_depth(stop, [at], k) if stop is not None and k else k]
+    return out
 
 
 def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
             episodes: dict[int, int], max_new_tokens: int, seed: int = 0, progress: bool = True,
             follow: LengthPolicy | None = None, context_lens: list[int] = (),
             conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
-            workers: int = 1, labels: str = "rollout") -> Dataset:
+            workers: int = 1, labels: str = "rollout", stop_levels=(0.0,)) -> Dataset:
     """Q-regret labels (rollouts of `base`) on the states that `follow` visits (None: the improved policy,
     argmin Q): for each batch size b, `episodes[b]` episodes (one row: every trace once, in order, when
     episodes >= the traces); with `context_lens` (simulated long contexts) the episodes cycle through them,
@@ -74,7 +89,8 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
     `workers` processes label the episodes (0 = one per CPU core); the labels are the same for any number.
     `labels="oracle"`: one-row episodes are labelled with the oracle's hindsight Q* (env.oracle.hindsight_q: k now,
     then the optimal schedule, which knows what will be accepted; behaviour cloning of the oracle, cost-weighted)
-    instead of rollouts of `base`; batch episodes keep rollouts (the oracle is per sequence)."""
+    instead of rollouts of `base`; batch episodes keep rollouts (the oracle is per sequence). With `stop_levels`
+    the labels cover every (k, stop level) action (`decoding.policies.ActionTable`)."""
     rng = np.random.default_rng(seed)
     obs, regret, batch = [], [], []
     plan = []
@@ -92,7 +108,7 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
     if labels not in ("rollout", "oracle"):
         raise SpecPilotError(f"warm-start labels are 'rollout' or 'oracle', got '{labels}'")
     shared = (base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions, hardware_noise,
-              cost_jitter, seed, labels)
+              cost_jitter, seed, labels, tuple(stop_levels))
     tasks = [(j, b, indices) for j, (b, indices) in enumerate(plan)]
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     bar = tqdm(total=len(plan), desc="rollout labels", disable=not progress, file=sys.stderr)
@@ -121,10 +137,11 @@ _WORKER: dict = {}
 
 
 def _start_worker(base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions,
-                  hardware_noise, cost_jitter, seed, labels) -> None:
+                  hardware_noise, cost_jitter, seed, labels, stop_levels) -> None:
     _WORKER.update(base=base, follow=follow, traces=traces, cost=cost, k_max=k_max, hardware=hardware,
                    max_new_tokens=max_new_tokens, context_lens=context_lens, conditions=conditions,
-                   hardware_noise=hardware_noise, cost_jitter=cost_jitter, seed=seed, labels=labels)
+                   hardware_noise=hardware_noise, cost_jitter=cost_jitter, seed=seed, labels=labels,
+                   stop_levels=stop_levels)
 
 
 def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
@@ -136,7 +153,8 @@ def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
     condition = conditions[(j // max(1, len(context_lens))) % len(conditions)] if conditions else None
     env = ReplayEnv(traces, condition.cost if condition else w["cost"], k_max=k_max, noise=0.0,
                     hardware=condition.hardware if condition else w["hardware"], batch_sizes=[b],
-                    max_new_tokens=w["max_new_tokens"], hardware_noise=w["hardware_noise"], cost_jitter=w["cost_jitter"])
+                    max_new_tokens=w["max_new_tokens"], hardware_noise=w["hardware_noise"], cost_jitter=w["cost_jitter"],
+                    stop_levels=w["stop_levels"])
     memo = {id(t): t for t in traces} | {id(traces): traces, id(env.cost): env.cost}
     context = context_lens[j % len(context_lens)] if context_lens else 0
     o, _ = env.reset(seed=w["seed"] * 100003 + j, options={"trace_indices": indices, "context_len": context})
@@ -151,14 +169,19 @@ def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
     done = False
     while not done:
         if hindsight is not None:
-            q = hindsight[env.state.rows[0].length - env.state.rows[0].prompt_len]
+            q = hindsight_actions(hindsight[env.state.rows[0].length - env.state.rows[0].prompt_len], env)
         else:
-            q = np.array([_rollout_seconds(env, base, k, memo) for k in range(k_max + 1)])
+            q = np.array([_rollout_seconds(env, base, a, memo) for a in range(len(env.actions))])
         obs.append(o)
         regret.append((q - q.min()) / env.credit.unit)
         batch.append(b)
-        k = int(np.argmin(q)) if follow is None else follow.choose_k(o)
-        o, _, done, _, _ = env.step(k)
+        if follow is None:
+            action = int(np.argmin(q))
+        else:
+            action = follow.choose_k(o)
+            env.stop = follow.stop
+        o, _, done, _, _ = env.step(action)
+        env.stop = None
         base.update(env.last_step)
         if follow is not None and follow is not base:
             follow.update(env.last_step)
@@ -208,19 +231,20 @@ def fit(data: Dataset, hidden: list[int], activation: str = "tanh", epochs: int 
     return [(m.weight.detach().numpy().astype(np.float32), m.bias.detach().numpy().astype(np.float32)) for m in linear], norm
 
 
-def as_policy(layers, norm: dict, activation: str, k_max: int, meta: dict | None = None) -> LearnedK:
+def as_policy(layers, norm: dict, activation: str, k_max: int, meta: dict | None = None, stop_levels=(0.0,)) -> LearnedK:
     """The fitted MLP as a LearnedK (in memory), to score or to serve as the next round's base policy."""
+    table = ActionTable(k_max, stop_levels)
     names = [f"layer{i}" for i in range(len(layers))]
     weights = {}
     for name, (w, b) in zip(names, layers):
         weights[f"{name}.weight"], weights[f"{name}.bias"] = w, b
-    full = {"normalization": norm, "activation": activation, "layers": names, "action_to_k": list(range(k_max + 1)),
-            "k_max": k_max, **(meta or {})}
+    full = {"normalization": norm, "activation": activation, "layers": names, "action_to_k": table.to_k,
+            "action_to_stop": table.to_stop, "k_max": k_max, **(meta or {})}
     return LearnedK(full, weights)
 
 
-def mean_regret(policy: LengthPolicy, data: Dataset) -> float:
-    """The regret, in plain steps, of the policy's choices on the labelled states (0 = the improved policy)."""
+def mean_regret(policy: LearnedK, data: Dataset) -> float:
+    """The regret, in plain steps, of the policy's choices (its actions) on the labelled states (0 = the improved policy)."""
     chosen = np.argmax(policy.logits(data.obs.astype(np.float64)), axis=-1)
     return float(data.regret[np.arange(len(chosen)), chosen].mean())
 
@@ -229,7 +253,8 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
                    episodes: dict[int, int], max_new_tokens: int, rounds: int, hidden: list[int], activation: str,
                    epochs: int = 200, seed: int = 0, progress: bool = True, log=None, context_lens: list[int] = (),
                    conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
-                   workers: int = 1, labels: str = "rollout", batch_weights: dict[int, float] | None = None):
+                   workers: int = 1, labels: str = "rollout", batch_weights: dict[int, float] | None = None,
+                   stop_levels=(0.0,)):
     """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
     under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
     (DAgger: the datasets are pooled) and refits (`batch_weights`: {batch size: weight of its states in the
@@ -239,10 +264,10 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
         new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
                       progress=progress, follow=None if r == 0 else policy, context_lens=context_lens,
                       conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter, workers=workers,
-                      labels=labels)
+                      labels=labels, stop_levels=stop_levels)
         data = new if data is None else merge(data, new)
         layers, norm = fit(data, hidden, activation, epochs, seed=seed + r, batch_weights=batch_weights)
-        fitted = as_policy(layers, norm, activation, k_max)
+        fitted = as_policy(layers, norm, activation, k_max, stop_levels=stop_levels)
         row = {"round": r + 1, "states": int(len(data.obs)), "base_regret": float(new.regret.mean()),
                "fitted_regret": mean_regret(fitted, data)}
         history.append(row)

@@ -15,6 +15,7 @@ from specpilot.bench.benchmark import format_table, run_benchmark, summarize
 from specpilot.bench.paired_cli import paired_ratios
 from specpilot.bench.tune_cli import rules_policy, tune_rules
 from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
+from specpilot.decoding.drafters import NgramDrafter
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import gpu_names, resolve, shared_monitor
 from specpilot.decoding.learned import LearnedK
@@ -216,6 +217,14 @@ class Run:
         return int(self.hp["max_new_tokens"])
 
     @property
+    def stop_levels(self) -> list[float]:
+        """The stop levels the actions pair with k (YAML `stop_levels`; `decoding.policies.ActionTable`) for a draft
+        that reports its confidence; prompt lookup's is always 1, so its actions are k alone."""
+        if isinstance(self.draft, NgramDrafter):
+            return [0.0]
+        return [float(v) for v in self.hp.get("stop_levels") or [0.0]]
+
+    @property
     def run_dir(self) -> Path:
         return self.out / "run"
 
@@ -377,12 +386,16 @@ def _quick(cfg: TrainConfig, hp: dict) -> None:
 # --- the phases of a run, in order; each a function of what the ones before it made ---------------------------
 
 
-def stale_reason(path: Path, target, what: str, want: dict) -> str | None:
-    """Why the profile or traces at `path` are not this pair's current ones (None: they are)."""
+def stale_reason(path: Path, target, what: str, want: dict, draft=None) -> str | None:
+    """Why the profile or traces at `path` are not this pair's current ones (None: they are); a draft with weights
+    of its own (a trained head: `weights_id`) must be the one they were made with."""
     if not path.exists():
         return "none yet"
     meta = read_json_file(path, what)
     meta = meta.get("meta", meta) if what == "traces" else meta
+    weights = getattr(draft, "weights_id", "")
+    if weights and meta.get("draft_weights") != weights:
+        return f"made with the draft weights {meta.get('draft_weights')}, these are {weights}"
     if model_identity(str(meta.get("target") or "")) != model_identity(target.name):
         return f"recorded with the target '{model_identity(str(meta.get('target')))}'"
     if what != "traces" and str(meta.get("target")) != target.name:  # a cost is the kernel's too; tokens are not
@@ -412,7 +425,7 @@ def prepare_phase(cfg: TrainConfig, hp: dict, target, draft, device_key: str, ha
                          batch_sizes=",".join(map(str, batch_sizes)), trace_split="train", max_new_tokens=max(64, budget),
                          progress=cfg.progress, out=str(out))
     fresh, user_profile = False, cfg.profile is not None
-    why = None if cfg.profile else stale_reason(profile_file, target, "cost profile", {})
+    why = None if cfg.profile else stale_reason(profile_file, target, "cost profile", {}, draft)
     if why is None:
         print(f"specpilot: chain: cost profile kept ({relative(profile_file)})", file=sys.stderr)
     else:
@@ -422,7 +435,8 @@ def prepare_phase(cfg: TrainConfig, hp: dict, target, draft, device_key: str, ha
         cfg.profile = str(write_profile(pcfg, target, draft, prompt_ids, parse_ints(pcfg.context_lens, "--context-lens"),
                                         device_key, hardware_name, out))
         fresh = True
-    why = None if cfg.traces else stale_reason(traces_file, target, "traces", {"k_max": k_max, "max_new_tokens": budget})
+    why = None if cfg.traces else stale_reason(traces_file, target, "traces", {"k_max": k_max, "max_new_tokens": budget},
+                                               draft)
     if why is None:
         print(f"specpilot: chain: traces kept ({relative(traces_file)})", file=sys.stderr)
     else:
@@ -449,7 +463,7 @@ def load_profiles_phase(pcfg, hp: dict, target, draft, device_key: str, hardware
 
     for load in hp.get("condition_loads") or []:
         path = load_profile_path(device_key, draft.name, str(load), target.name)
-        why = stale_reason(path, target, "cost profile", {})
+        why = stale_reason(path, target, "cost profile", {}, draft)
         if why is None:
             print(f"specpilot: chain: cost profile beside the load '{load}' kept ({relative(path)})", file=sys.stderr)
             continue
@@ -580,7 +594,7 @@ def plain_speed_phase(run: Run) -> dict[str, PlainSpeed] | None:
 def _real_env_fns(run: Run, plain_speeds: dict[str, PlainSpeed]) -> EnvFns:
     cfg, hp = run.cfg, run.hp
     kwargs = dict(k_max=run.k_max, max_new_tokens=run.budget, plain_speeds=plain_speeds, reward=str(hp["reward"]),
-                  batch_sizes=run.real_batch_sizes, loads=run.loads)
+                  batch_sizes=run.real_batch_sizes, loads=run.loads, stop_levels=run.stop_levels)
     gpus = gpu_names() if run.torch_device.startswith("cuda") else []
     if cfg.n_envs == 1 or not gpus:  # one process: the envs share the model loaded already
         return EnvFns([lambda: SpecDecodeEnv(run.target, run.draft, run.real_prompts, **kwargs)] * cfg.n_envs)
@@ -603,7 +617,7 @@ def _replay_env_fns(run: Run, sizes: list[int]) -> EnvFns:
                          speed_jitter=float(hp["replay_speed_jitter"]),
                          context_lens=[int(c) for c in hp.get("context_lens") or []], conditions=data.conditions,
                          hardware_noise=run.cfg.hardware_noise if data.conditions else 0.0,
-                         cost_jitter=float(hp.get("replay_cost_jitter") or 0.0))
+                         cost_jitter=float(hp.get("replay_cost_jitter") or 0.0), stop_levels=run.stop_levels)
     return EnvFns([make] * run.cfg.n_envs, subprocess=True)
 
 
@@ -669,7 +683,8 @@ def warm_start_phase(run: Run, seed: int, member_run: Path) -> tuple[tuple | Non
         context_lens=contexts, conditions=data.conditions,
         hardware_noise=run.cfg.hardware_noise if data.conditions else 0.0,
         cost_jitter=float(hp.get("replay_cost_jitter") or 0.0), workers=int(hp.get("rollout_workers") or 0),
-        labels=labels, batch_weights={int(b): float(w) for b, w in (hp.get("rollout_batch_weights") or {}).items()})
+        labels=labels, batch_weights={int(b): float(w) for b, w in (hp.get("rollout_batch_weights") or {}).items()},
+        stop_levels=run.stop_levels)
     atomic_write_text(path, json.dumps({"layers": [[w.tolist(), b.tolist()] for w, b in layers], "normalization": norm,
                                         "history": history}))
     return (layers, norm), history
@@ -700,13 +715,14 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
         selecting = bool(run.replay is not None and run.replay.holdout)
         if selecting and init is not None:
             write_policy(candidates / "warm-start", init[0], init[1], str(hp["activation"]), run.k_max, run.device_key,
-                         run.hardware_name, 0, {**provenance, "candidate": "warm-start"})
+                         run.hardware_name, 0, {**provenance, "candidate": "warm-start"}, stop_levels=run.stop_levels)
 
         def phase_end(name: str, model, venv) -> None:
             if selecting:  # checked against SB3's actions, as every export
                 export_policy(model, venv, candidates / name, run.device_key, run.hardware_name, run.k_max,
                               {**provenance, "candidate": name}, activation=str(hp["activation"]),
-                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None)
+                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
+                              stop_levels=run.stop_levels)
 
         model, venv = train(phases, hp, member_run, seed=seed, resume=cfg.resume, track=cfg.track,
                             wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init,
@@ -716,13 +732,14 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
             return select_phase(run, phase_candidates(candidates, phases), member_out, provenance)
         path = export_policy(model, venv, member_out, run.device_key, run.hardware_name, run.k_max, provenance,
                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
-                             activation=str(hp["activation"]))
+                             activation=str(hp["activation"]), stop_levels=run.stop_levels)
         venv.close()  # its envs' processes and background loads
         return path, "checked against SB3's actions"
     if init is not None:  # the warm start alone (no PPO steps asked for)
         log_rows(cfg.track, cfg.wandb_project, member_run, {**run_config, **hp}, "warm_start", warm_history)
         return (write_policy(member_out, init[0], init[1], str(hp["activation"]), run.k_max, run.device_key,
-                             run.hardware_name, 0, provenance), "the rollout-improved policy, no PPO steps")
+                             run.hardware_name, 0, provenance, stop_levels=run.stop_levels),
+                "the rollout-improved policy, no PPO steps")
     raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
 
 
@@ -750,7 +767,8 @@ def select_phase(run: Run, found: dict[str, Path], out: Path, provenance: dict |
                  for b, name in choice.items()} if len(nets) > 1 else None)
     path = write_policy(out, *network_parts(nets[base]), meta["activation"], run.k_max, run.device_key, run.hardware_name,
                         max(int(m.meta["training_steps"]) for m in nets.values()), {**provenance, "selection": selection},
-                        by_batch=by_batch, check=lambda p: check_by_batch(p, nets, choice))
+                        by_batch=by_batch, check=lambda p: check_by_batch(p, nets, choice),
+                        stop_levels=nets[base].actions.stop_levels)
     return path, ("the " + " / ".join(f"{n} (B >= {min(b for b in choice if choice[b] == n)})" for n in nets)
                   + " policy, picked per batch size on held-out train prompts")
 

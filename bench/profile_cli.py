@@ -191,7 +191,8 @@ def write_profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_nam
     if "grid" in profile and cfg.context_fit == "linear":
         profile["grid"] = fit_grid_in_context(profile["grid"])
     profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
-                    "draft": getattr(draft, "name", None), "dtype": str(target.dtype),
+                    "draft": getattr(draft, "name", None), "draft_weights": getattr(draft, "weights_id", None) or None,
+                    "dtype": str(target.dtype),
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
     # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json
     stem = (device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config
@@ -268,8 +269,8 @@ def write_traces(cfg, target, draft, out: Path) -> Path:
     prompts = load_prompts(cfg.prompts, cfg.trace_split)
     trace_path = out / traces_path(draft.name, cfg.temperature, target.name).name
     sampling = Sampling(cfg.temperature)
-    meta = {"target": target.name, "draft": draft.name, "k_max": cfg.k_max, "max_new_tokens": cfg.max_new_tokens,
-            "dtype": str(target.dtype), "splits": {}}
+    meta = {"target": target.name, "draft": draft.name, "draft_weights": getattr(draft, "weights_id", None) or None,
+            "k_max": cfg.k_max, "max_new_tokens": cfg.max_new_tokens, "dtype": str(target.dtype), "splits": {}}
     if not sampling.greedy:
         meta.update(temperature=cfg.temperature, seed=cfg.trace_seed)
     kept = []

@@ -25,7 +25,7 @@ class Recorder(LengthPolicy):
     """Wraps a policy and keeps every (observation, k) it was asked for."""
 
     def __init__(self, policy: LengthPolicy):
-        self.policy, self.name, self.k_max, self.stop_below = policy, policy.name, policy.k_max, policy.stop_below
+        self.policy, self.name, self.k_max, self.stop = policy, policy.name, policy.k_max, policy.stop
         self.seen: list[tuple[np.ndarray, int]] = []
 
     def reset(self) -> None:

@@ -8,6 +8,7 @@ last-layer hidden states of the newly confirmed positions in `propose(..., targe
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +36,31 @@ class Draft:
     """Prompt-lookup drafters: length of the n-gram that matched (0 = none; the mean over a batch)."""
 
 
+@dataclass(frozen=True)
+class StopRule:
+    """When a model draft stops inside its draft, before proposing the next token: its top-1 probability is
+    below `min_confidence` (llama.cpp's `--spec-draft-p-min`, transformers' `assistant_confidence_threshold`) or
+    its entropy in nats is above `max_entropy` (SVIP's and AdaEDL's entropy bounds). A batch stops when every
+    row would. Prompt lookup has no distribution and never stops. Lossless: it only shortens the draft."""
+
+    min_confidence: float = 0.0
+    max_entropy: float = math.inf
+
+    def __post_init__(self):
+        if not 0.0 <= self.min_confidence <= 1.0 or not self.max_entropy >= 0.0:
+            raise SpecPilotError(f"a stop rule needs a confidence in [0, 1] and an entropy >= 0, got "
+                                 f"{self.min_confidence}, {self.max_entropy}")
+
+    def stops(self, confidences: list[float], entropies: list[float]) -> bool:
+        """Whether to stop before drafting a token whose rows have these top-1 probabilities and entropies."""
+        return all(c < self.min_confidence or e > self.max_entropy for c, e in zip(confidences, entropies))
+
+
+def row_entropies(p: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each row of (rows, V) probabilities."""
+    return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+
+
 class Drafter(Protocol):
     name: str
     needs_hidden: bool
@@ -48,10 +74,10 @@ class Drafter(Protocol):
         k: int,
         sampling: Sampling,
         generator: torch.Generator | None,
-        stop_below: float | None = None,
+        stop: "StopRule | None" = None,
         target_hidden: torch.Tensor | None = None,
     ) -> Draft:
-        """Up to k tokens continuing `context`; stop early when the top-1 probability < stop_below."""
+        """Up to k tokens continuing `context`; a model draft stops early where `stop` says so."""
 
     def rollback(self, length: int) -> None:
         """The first `length` tokens of the context are confirmed; forget any state beyond them."""
@@ -60,8 +86,18 @@ class Drafter(Protocol):
     # running a model (the observation builder reads it; prompt-lookup drafters have it for free), and
     # `match_stats(context, row) -> (suffix, occurrences, agreement)` (`match_statistics`)
     # optional, for batched decoding (B > 1): `reset_batch(contexts)`, `rollback_batch(lengths, rows)`
-    # and `propose_batch(contexts, k, sampling, generator, stop_below, target_hidden, rows) -> Draft`
+    # and `propose_batch(contexts, k, sampling, generator, stop, target_hidden, rows) -> Draft`
     # with tokens (rows, n) (a row with fewer proposals pads: padding is rejected like any wrong guess)
+
+
+def hidden_features(hidden_states, draft) -> torch.Tensor:
+    """What a draft that reads the target's hidden states gets from a forward's `hidden_states` tuple: the
+    layers it lists in `hidden_layers` (EAGLE-3's low / middle / high features), concatenated on the last
+    axis; a draft without the attribute gets the last one (after the final norm)."""
+    layers = getattr(draft, "hidden_layers", (-1,))
+    if len(layers) == 1:
+        return hidden_states[layers[0]]
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 def entropy_of(p: torch.Tensor) -> float:
@@ -233,14 +269,14 @@ class NgramDrafter:
         _, start, n, hits, host = self._last[row]
         return statistics_of_match(host, start, n, hits)
 
-    def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
+    def propose(self, context, k, sampling, generator, stop=None, target_hidden=None) -> Draft:
         if k <= 0:
             return empty_draft(context.device)
         tokens, n = self.lookup(context, k)
         ones = [1.0] * tokens.shape[0]
         return Draft(tokens=tokens, probs=None, confidences=ones, entropies=[0.0] * len(ones), match_len=n)
 
-    def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None) -> Draft:
+    def propose_batch(self, contexts, k, sampling, generator, stop=None, target_hidden=None, rows=None) -> Draft:
         rows = rows if rows is not None else list(range(len(contexts)))
         found = [self.lookup(c, k, row) for c, row in zip(contexts, rows)]
         width = max((t.shape[0] for t, _ in found), default=0) if k > 0 else 0
@@ -330,7 +366,7 @@ class ModelDrafter:
             self._mask, self._pos = self._mask[:, :slots], self._pos[:, :slots]
 
     @torch.inference_mode()
-    def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None) -> Draft:
+    def propose_batch(self, contexts, k, sampling, generator, stop=None, target_hidden=None, rows=None) -> Draft:
         rows = list(rows) if rows is not None else list(range(len(contexts)))
         self._select(rows)
         device = contexts[0].device
@@ -352,13 +388,13 @@ class ModelDrafter:
         tokens, probs, confidences, entropies = [], [], [], []
         for j in range(k):
             p = probs_from_logits(logits, sampling)
-            top = p.max(dim=-1).values
-            if stop_below is not None and float(top.max()) < stop_below:
+            top, entropy = p.max(dim=-1).values.tolist(), row_entropies(p).tolist()
+            if stop is not None and stop.stops(top, entropy):
                 break
             token = p.argmax(dim=-1) if sampling.greedy else sample(p, generator)
             tokens.append(token)
-            confidences.append(float(top.mean()))
-            entropies.append(sum(entropy_of(q) for q in p) / n)
+            confidences.append(sum(top) / n)
+            entropies.append(sum(entropy) / n)
             if not sampling.greedy:
                 probs.append(p)
             if j == k - 1:
@@ -388,21 +424,20 @@ class ModelDrafter:
         return self._fit(out.logits[0, -1].float())
 
     @torch.inference_mode()
-    def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
+    def propose(self, context, k, sampling, generator, stop=None, target_hidden=None) -> Draft:
         if k <= 0:
             return empty_draft(context.device)
         feed = context[self.cached :]
         tokens, probs, confidences, entropies = [], [], [], []
         for _ in range(k):
             p = probs_from_logits(self._logits(feed), sampling)
-            top = p.max()
-            conf = float(top)
-            if stop_below is not None and conf < stop_below:
+            conf, ent = float(p.max()), entropy_of(p)
+            if stop is not None and stop.stops([conf], [ent]):
                 break
             token = p.argmax() if sampling.greedy else sample(p, generator)
             tokens.append(token.reshape(1))
             confidences.append(conf)
-            entropies.append(entropy_of(p))
+            entropies.append(ent)
             if not sampling.greedy:
                 probs.append(p)
             feed = token.reshape(1)

@@ -13,6 +13,7 @@ Files (a folder): `draft_head.json` (shape, sub-vocabulary, the target it was tr
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .drafters import Draft, empty_draft, entropy_of
+from .drafters import Draft, empty_draft, row_entropies
 from .errors import SpecPilotError
 from .paths import find_artifact
 from .sampling import Sampling, probs_from_logits, sample
@@ -46,6 +47,9 @@ class HeadConfig:
     """Mean |weight| of the target's first embedding rows: catches a head loaded on another target."""
     target_name: str = ""
     eps: float = 1e-5
+    feature_layers: list[int] = field(default_factory=lambda: [-1])
+    """Indices into the target's `hidden_states` tuple the head reads at its first step (EAGLE-3's low, middle
+    and high features; [-1]: the last layer only, after the final norm)."""
     trained: dict = field(default_factory=dict)
     """How it was trained (data, steps, final metrics), for the record."""
 
@@ -78,7 +82,8 @@ class MLPBlock(nn.Module):
 class DraftHead(nn.Module):
     """g_{i} = blocks(fc([norm(g_{i-1}); norm(e(x_i))])), logits_i = W_sub @ norm(g_i).
 
-    g_0 is the target's final hidden state (after its last norm), so g_i is trained to match it.
+    g_0 is the target's final hidden state (after its last norm), or with several `feature_layers` a learned
+    mix of those layers' states, each normed (`start`); g_i is trained to match the target's final hidden state.
     """
 
     def __init__(self, cfg: HeadConfig):
@@ -90,6 +95,16 @@ class DraftHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.blocks = nn.ModuleList(MLPBlock(h, cfg.intermediate_size, cfg.eps) for _ in range(cfg.blocks))
         self.norm_out = RMSNorm(h, cfg.eps)
+        layers = len(cfg.feature_layers)
+        self.norm_features = nn.ModuleList(RMSNorm(h, cfg.eps) for _ in range(layers)) if layers > 1 else None
+        self.fuse = nn.Linear(layers * h, h, bias=False) if layers > 1 else None
+
+    def start(self, features: torch.Tensor) -> torch.Tensor:
+        """g_0 from the target's hidden states at the last processed position (`feature_layers`, concatenated)."""
+        if self.fuse is None:
+            return features
+        parts = features.split(self.cfg.hidden_size, dim=-1)
+        return self.fuse(torch.cat([norm(part) for norm, part in zip(self.norm_features, parts)], dim=-1))
 
     def advance(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         x = self.fc(torch.cat([self.norm_state(state), self.norm_embed(embedded)], dim=-1))
@@ -140,6 +155,7 @@ def load_head(folder: str | Path) -> DraftHead:
         head.load_state_dict(state)
     except (SafetensorError, RuntimeError, OSError) as exc:
         raise SpecPilotError(f"corrupt draft head weights {weights_path}: {str(exc).splitlines()[0]}") from None
+    head.weights_id = hashlib.sha256(weights_path.read_bytes()).hexdigest()[:16]
     return head.eval()
 
 
@@ -178,6 +194,10 @@ class HeadDrafter:
                     f"draft head '{name}' was trained for another target ({cfg.target_name or 'unknown'}): "
                     "its embedding signature differs from this target's")
         self.name = name
+        self.weights_id = getattr(head, "weights_id", "")
+        """The first 16 hex digits of the weights file's sha256 ('' for a head built in memory): traces and cost
+        profiles record it, so that ones made with other weights of the same name are not reused."""
+        self.hidden_layers = tuple(cfg.feature_layers)
         self.head = head.to(device=out.device, dtype=out.dtype).eval()
         self.embed = target_model.get_input_embeddings()
         self.vocab_ids = torch.tensor(cfg.vocab_ids, dtype=torch.long, device=out.device)
@@ -200,36 +220,36 @@ class HeadDrafter:
     def rollback_batch(self, lengths, rows) -> None:
         pass
 
-    def propose(self, context, k, sampling: Sampling, generator, stop_below=None, target_hidden=None) -> Draft:
+    def propose(self, context, k, sampling: Sampling, generator, stop=None, target_hidden=None) -> Draft:
         if target_hidden is None or target_hidden.shape[0] == 0:
             return empty_draft(context.device)
-        draft = self.propose_batch([context], k, sampling, generator, stop_below, target_hidden[-1:])
+        draft = self.propose_batch([context], k, sampling, generator, stop, target_hidden[-1:])
         draft.tokens = draft.tokens[0]
         draft.probs = draft.probs[0] if draft.probs is not None else None
         return draft
 
     @torch.inference_mode()
-    def propose_batch(self, contexts, k, sampling: Sampling, generator, stop_below=None, target_hidden=None,
+    def propose_batch(self, contexts, k, sampling: Sampling, generator, stop=None, target_hidden=None,
                       rows=None) -> Draft:
-        """k tokens per row from the rows' last target hidden states (rows, hidden); stops early when
-        every row's top-1 probability is below `stop_below`."""
+        """k tokens per row from the rows' last target hidden states (rows, hidden); stops early where the
+        `stop` rule says every row would."""
         device = contexts[0].device
         if k <= 0 or target_hidden is None:
             return Draft(tokens=torch.empty(len(contexts), 0, dtype=torch.long, device=device))
-        state = target_hidden
+        state = self.head.start(target_hidden)
         token = torch.stack([c[-1] for c in contexts])
         tokens, probs, confidences, entropies = [], [], [], []
         for _ in range(k):
             state = self.head.advance(state, self.embed(token))
             p_sub = probs_from_logits(self.head.logits(state, self.head_weight), sampling)
-            top = p_sub.max(dim=-1).values
-            if stop_below is not None and float(top.max()) < stop_below:
+            top, entropy = p_sub.max(dim=-1).values.tolist(), row_entropies(p_sub).tolist()
+            if stop is not None and stop.stops(top, entropy):
                 break
             index = p_sub.argmax(dim=-1) if sampling.greedy else sample(p_sub, generator)
             token = self.vocab_ids[index]
             tokens.append(token)
-            confidences.append(float(top.mean()))
-            entropies.append(float(sum(entropy_of(p) for p in p_sub)) / p_sub.shape[0])
+            confidences.append(sum(top) / len(top))
+            entropies.append(sum(entropy) / len(entropy))
             if not sampling.greedy:
                 probs.append(self._full(p_sub))
         if not tokens:

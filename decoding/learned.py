@@ -19,7 +19,7 @@ from .errors import SpecPilotError
 from .hardware import HW_FEATURES, artifact_key, counters_by_name, is_cpu_key
 from .observation import FEATURES
 from .paths import POLICIES, pair_name, search_roots, target_key
-from .policies import LengthPolicy, at_or_below, batch_of, parse_policy
+from .policies import ActionTable, LengthPolicy, at_or_below, batch_of, parse_policy
 
 FORMAT_VERSION = 1
 MIN_FEATURE_STD = 0.02
@@ -97,6 +97,12 @@ class LearnedK(LengthPolicy):
         self.features = list(meta.get("features") or FEATURES)
         self._columns = None if self.features == list(FEATURES) else np.array([FEATURES.index(f) for f in self.features])
         self.action_to_k = [int(k) for k in meta["action_to_k"]]
+        self.action_to_stop = [float(v) for v in meta.get("action_to_stop") or [0.0] * len(self.action_to_k)]
+        """Per action, the stop level inside the draft (`policies.ActionTable`; absent: 0, draft all k)."""
+        try:
+            self.actions = ActionTable.of(self.action_to_k, self.action_to_stop)
+        except SpecPilotError as exc:
+            raise SpecPilotError(f"policy {path}: {exc}") from None
         norm = meta["normalization"]
         self.mean = np.asarray(norm["mean"], dtype=np.float64)
         self.inv_std = 1.0 / np.sqrt(np.asarray(norm["var"], dtype=np.float64) + float(norm["epsilon"]))
@@ -303,13 +309,16 @@ class LearnedK(LengthPolicy):
             rule = at_or_below(self.defer, batch_of(obs))
             if rule is not None:
                 self.deferred += 1
-                return rule.choose_k(obs)
+                k = rule.choose_k(obs)
+                self.stop = rule.stop
+                return k
         if self.by_batch:
             sub = at_or_below(self.by_batch, batch_of(obs))
             if sub is not None:  # its counts are this policy's
                 calls, out, bad = sub.calls, sub.out_of_range, sub.non_finite
                 sub.strict = self.strict
                 k = sub.choose_k(obs)
+                self.stop = sub.stop
                 self.calls += sub.calls - calls
                 self.out_of_range += sub.out_of_range - out
                 self.non_finite += sub.non_finite - bad
@@ -332,6 +341,7 @@ class LearnedK(LengthPolicy):
                         names = [f for f, b in zip(self.features, bad) if b]
                         raise SpecPilotError(f"learned policy got a non-finite observation in {names[:4]}")
                     self.non_finite += 1
+                    self.stop = None
                     return 0
                 x = np.where(self._still, self.mean, x)  # only pinned features held NaN / inf: ignored
                 clipped = np.minimum(np.maximum(x, self._lo), self._hi)
@@ -339,7 +349,8 @@ class LearnedK(LengthPolicy):
             if self.low is not None and moved > 0.0:
                 self.out_of_range += 1
                 self.clipped_by_feature += (clipped != x) & self._read
-        return self.action_to_k[int(np.argmax(self._forward(clipped)))]
+        k, self.stop = self.actions.decode(int(np.argmax(self._forward(clipped))))
+        return k
 
     def reset(self) -> None:
         for rule in self.defer.values():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .drafters import Draft, Drafter, cache_kwarg, crop_cache
+from .drafters import Draft, Drafter, StopRule, cache_kwarg, crop_cache, hidden_features
 from .errors import SpecPilotError
 from .observation import ObservationBuilder
 from .sampling import Sampling, probs_from_logits
@@ -252,7 +252,7 @@ def start(
         if rows[0].length > 1:
             out = _target_forward(state, rows[0].buffer[None, : rows[0].length - 1])
             if out.hidden_states is not None:
-                state.hidden = out.hidden_states[-1][:, -1]
+                state.hidden = hidden_features(out.hidden_states, state.draft)[:, -1]
     else:
         _prefill_batch(state)
     if draft is not None:
@@ -283,27 +283,27 @@ def _prefill_batch(state: DecodeState) -> None:
     positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
     out = _target_forward(state, ids, positions, mask)
     if out.hidden_states is not None:
-        state.hidden = out.hidden_states[-1][:, -1]
+        state.hidden = hidden_features(out.hidden_states, state.draft)[:, -1]
 
 
-def _propose(state: DecodeState, k: int, stop_below: float | None) -> Draft:
+def _propose(state: DecodeState, k: int, stop: StopRule | None) -> Draft:
     """The draft's proposal for every active row: tokens (rows, n), probs (rows, n, V) or None."""
     device = state.rows[0].buffer.device
     if k <= 0 or state.draft is None:
         return Draft(tokens=torch.empty(len(state.active), 0, dtype=torch.long, device=device))
     if not state.batched and len(state.active) == 1:
-        draft = state.draft.propose(state.context, k, state.sampling, state.generator, stop_below=stop_below,
+        draft = state.draft.propose(state.context, k, state.sampling, state.generator, stop=stop,
                                     target_hidden=state.hidden)
         draft.tokens = draft.tokens[None]
         if draft.probs is not None:
             draft.probs = draft.probs[None]
         return draft
     return state.draft.propose_batch([r.context for r in state.active_rows], k, state.sampling, state.generator,
-                                     stop_below=stop_below, target_hidden=state.hidden, rows=list(state.active))
+                                     stop=stop, target_hidden=state.hidden, rows=list(state.active))
 
 
 @torch.inference_mode()
-def speculative_step(state: DecodeState, k: int, stop_below: float | None = None) -> StepResult:
+def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None) -> StepResult:
     """Draft up to k tokens per active row, verify them in one target pass, keep each row's accepted
     prefix + 1 token."""
     if state.done:
@@ -314,7 +314,7 @@ def speculative_step(state: DecodeState, k: int, stop_below: float | None = None
     device = rows[0].buffer.device
     synchronize(device)
     t0 = time.perf_counter()
-    draft = _propose(state, k, stop_below)
+    draft = _propose(state, k, stop)
     synchronize(device)
     t1 = time.perf_counter()
     k = draft.tokens.shape[1]
@@ -351,7 +351,7 @@ def speculative_step(state: DecodeState, k: int, stop_below: float | None = None
         state.slot_mask = torch.cat([state.slot_mask, kept.long()], dim=1)[:, : slots + max(accepted_rows) + 1]
     if out.hidden_states is not None:
         index = torch.tensor(accepted_rows, device=device)
-        state.hidden = out.hidden_states[-1][torch.arange(len(rows), device=device), index]
+        state.hidden = hidden_features(out.hidden_states, state.draft)[torch.arange(len(rows), device=device), index]
     lengths_before = [r.length for r in rows]
     if state.draft is not None:
         if len(rows) == 1 and not state.batched:
@@ -480,7 +480,7 @@ def generate(
         t_obs = clock()
         k = policy.choose_k(observer.build(state))
         policy_s += clock() - t_obs
-        step = speculative_step(state, k, stop_below=policy.stop_below)
+        step = speculative_step(state, k, stop=policy.stop)
         policy.update(step)
         observer.push(step)
         steps.append(step)

@@ -1,9 +1,10 @@
 """Length policies: how many tokens to draft next. One interface for all of them.
 
 `choose_k(obs)` gets the observation vector of `decoding.observation` (hand-written policies may
-ignore it); `update(step)` gets the `StepResult` of the step just run. `stop_below`, when set, asks
-the drafter to stop early once its top-1 probability falls below it (confidence-based drafting).
-k = 0 turns speculation off for a step (a plain target step).
+ignore it); `update(step)` gets the `StepResult` of the step just run. `stop`, when set (a
+`decoding.drafters.StopRule`), asks a model draft to stop inside its draft once a token's top-1
+probability or entropy says so (confidence-based drafting); the loop reads it before every step, so a
+policy may change it as it learns. k = 0 turns speculation off for a step (a plain target step).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections import deque
 
 import numpy as np
 
+from .drafters import StopRule
 from .errors import SpecPilotError
 from .observation import FEATURES
 
@@ -21,7 +23,7 @@ DEFAULT_K_MAX = 8
 class LengthPolicy:
     name = "policy"
     k_max = 0
-    stop_below: float | None = None
+    stop: "StopRule | None" = None
 
     def reset(self) -> None:
         """A new sequence starts."""
@@ -72,17 +74,161 @@ class HeuristicK(LengthPolicy):
 
 
 class ConfidenceStop(LengthPolicy):
-    """Draft up to k_max tokens but stop once the draft's top-1 probability falls below the threshold
-    (DISCO / AdaEDL style early exit)."""
+    """llama.cpp's `--spec-draft-n-max K --spec-draft-p-min P` (and transformers' fixed
+    `assistant_confidence_threshold`): draft up to K tokens, stopping before a token whose top-1 draft
+    probability is below P (DISCO / AdaEDL-style early exit by confidence)."""
 
     def __init__(self, threshold: float, k_max: int = DEFAULT_K_MAX):
         if not 0.0 <= threshold <= 1.0:
             raise SpecPilotError(f"confidence threshold must be in [0, 1], got {threshold}")
-        self.stop_below, self.k_max = threshold, k_max
-        self.name = f"confidence:{threshold:g}"
+        self.stop, self.k_max = StopRule(min_confidence=threshold), k_max
+        self.name = f"confidence:{threshold:g}" + _k_suffix(k_max)
 
     def choose_k(self, obs) -> int:
         return self.k_max
+
+
+class RocConfidence(LengthPolicy):
+    """transformers' assisted generation with `assistant_confidence_threshold` (default 0.4) and its self-tuning:
+    draft up to K tokens, stopping below the threshold; after each step the drafted tokens' probabilities up to
+    the first rejected one are kept with labels (1 accepted, 0 rejected), and once there are more than 5 with
+    both labels the threshold moves to the one of the ROC curve that minimises FPR + 3 x FNR (transformers
+    weighs a false negative three times a false positive). Per sequence (one generate call). A batch reads
+    its per-depth mean probabilities and its mean accepted count (transformers runs one row only)."""
+
+    def __init__(self, threshold: float = 0.4, k_max: int = DEFAULT_K_MAX):
+        if not 0.0 <= threshold <= 1.0:
+            raise SpecPilotError(f"confidence threshold must be in [0, 1], got {threshold}")
+        self.start, self.k_max = float(threshold), k_max
+        self.name = "transformers-roc" + ("" if threshold == 0.4 and k_max == DEFAULT_K_MAX else f":{threshold:g}")
+        self.name += _k_suffix(k_max)
+        self.reset()
+
+    def reset(self) -> None:
+        self.stop = StopRule(min_confidence=self.start)
+        self.probs: list[float] = []
+        self.matches: list[int] = []
+
+    def choose_k(self, obs) -> int:
+        return self.k_max
+
+    def update(self, step) -> None:
+        if not step.k or not step.confidences:
+            return
+        accepted = int(round(step.accepted))
+        self.probs.extend(step.confidences[: accepted + 1])
+        self.matches.extend([1] * min(accepted, len(step.confidences)))
+        if accepted < len(step.confidences):
+            self.matches.append(0)
+        del self.probs[len(self.matches):]
+        if len(self.probs) > 5 and 0 in self.matches and 1 in self.matches:
+            self.stop = StopRule(min_confidence=min(1.0, roc_threshold(self.matches, self.probs)))
+
+
+def _k_suffix(k: int) -> str:
+    """A stop-rule policy's name ends with its K unless it is the default k_max (names stay unique and parse back)."""
+    return "" if k == DEFAULT_K_MAX else f":{k}"
+
+
+def roc_threshold(labels: list[int], scores: list[float], fn_weight: float = 3.0) -> float:
+    """The score threshold (predict 1 when score >= it) of the ROC curve minimising FPR + fn_weight x FNR;
+    candidates are every distinct score and +inf (predict nothing), as sklearn's `roc_curve` lists them."""
+    y, x = np.asarray(labels, dtype=np.int64), np.asarray(scores, dtype=np.float64)
+    order = np.argsort(-x, kind="stable")
+    y, x = y[order], x[order]
+    last = np.r_[np.nonzero(np.diff(x))[0], len(x) - 1]  # the last index of each distinct score
+    tp, fp = np.cumsum(y)[last], np.cumsum(1 - y)[last]
+    positives, negatives = max(1, int(y.sum())), max(1, int((1 - y).sum()))
+    fpr, fnr = np.r_[0.0, fp / negatives], 1.0 - np.r_[0.0, tp / positives]
+    thresholds = np.r_[np.inf, x[last]]
+    return float(thresholds[int(np.argmin(fpr + fn_weight * fnr))])
+
+
+class EntropyStop(LengthPolicy):
+    """SVIP's rule ("draft model knows when to stop"): draft up to K tokens, stopping before a token whose draft
+    entropy (nats) is above H: a bound on that token's acceptance, 1 - sqrt(gamma x entropy), falls below the
+    acceptance the verify cost needs. The threshold is the one knob, tuned on the train split."""
+
+    def __init__(self, max_entropy: float, k_max: int = DEFAULT_K_MAX):
+        if not max_entropy >= 0:
+            raise SpecPilotError(f"an entropy threshold is >= 0 nats, got {max_entropy}")
+        self.stop, self.k_max = StopRule(max_entropy=float(max_entropy)), k_max
+        self.name = f"entropy:{max_entropy:g}" + _k_suffix(k_max)
+
+    def choose_k(self, obs) -> int:
+        return self.k_max
+
+
+class AdaEDL(LengthPolicy):
+    """AdaEDL (Agrawal et al., 2024): stop drafting before a token whose entropy-based lower bound on its
+    acceptance probability, 1 - sqrt(gamma x entropy), is below lambda; lambda adapts to the acceptance seen,
+    an exponential moving average (weight `BETA` on the past) of each step's accepted / drafted, starting at
+    `lambda0`. Equivalently a stop above entropy (1 - lambda)^2 / gamma. Per sequence."""
+
+    BETA = 0.9
+
+    def __init__(self, gamma: float = 1.0, lambda0: float = 0.5, k_max: int = DEFAULT_K_MAX):
+        if gamma <= 0 or not 0.0 <= lambda0 <= 1.0:
+            raise SpecPilotError(f"adaedl needs gamma > 0 and lambda0 in [0, 1]; got {gamma}, {lambda0}")
+        self.gamma, self.lambda0, self.k_max = float(gamma), float(lambda0), k_max
+        self.name = f"adaedl:{gamma:g}:{lambda0:g}" + _k_suffix(k_max)
+        self.reset()
+
+    def _set(self, lam: float) -> None:
+        self.lam = lam
+        self.stop = StopRule(max_entropy=(1.0 - lam) ** 2 / self.gamma)
+
+    def reset(self) -> None:
+        self._set(self.lambda0)
+
+    def choose_k(self, obs) -> int:
+        return self.k_max
+
+    def update(self, step) -> None:
+        if step.k:
+            self._set(self.BETA * self.lam + (1.0 - self.BETA) * min(1.0, float(step.accepted) / step.k))
+
+
+class BanditK(LengthPolicy):
+    """BanditSpec's UCB over draft lengths: each arm is a k whose reward is its steps' tokens per second; the next
+    arm maximises mean / best arm's mean + c sqrt(2 ln t / n_k) (every arm is tried once first, in order). The
+    statistics persist across sequences (the bandit learns the workload; `reset` keeps them), and one bandit runs
+    per batch size."""
+
+    def __init__(self, arms=(0, 1, 2, 3, 4, 6, 8), c: float = 0.3, k_max: int = DEFAULT_K_MAX):
+        arms = sorted({int(a) for a in arms if 0 <= int(a) <= k_max})
+        if not arms or c < 0:
+            raise SpecPilotError(f"bandit needs arms in [0, k_max={k_max}] and c >= 0, got {arms}, {c}")
+        self.arms, self.c, self.k_max = arms, float(c), max(arms)
+        self.name = "bandit-ucb" + ("" if (tuple(arms), c) == ((0, 1, 2, 3, 4, 6, 8), 0.3) else
+                                    ":" + "/".join(map(str, arms)) + f":{c:g}")
+        self.buckets: dict[int, dict] = {}
+        self._last: tuple[int, int] | None = None
+
+    def _bucket(self, batch: int) -> dict:
+        return self.buckets.setdefault(batch, {"n": [0] * len(self.arms), "sum": [0.0] * len(self.arms)})
+
+    def choose_k(self, obs) -> int:
+        batch = batch_of(obs)
+        b = self._bucket(batch)
+        untried = [i for i, n in enumerate(b["n"]) if n == 0]
+        if untried:
+            arm = untried[0]
+        else:
+            t, means = sum(b["n"]), [total / n for total, n in zip(b["sum"], b["n"])]
+            best = max(max(means), 1e-12)
+            arm = max(range(len(self.arms)), key=lambda i: means[i] / best + self.c * math.sqrt(2 * math.log(t) / b["n"][i]))
+        self._last = (batch, arm)
+        return self.arms[arm]
+
+    def update(self, step) -> None:
+        if self._last is None or step.seconds <= 0:
+            return
+        batch, arm = self._last
+        self._last = None
+        b = self._bucket(batch)
+        b["n"][arm] += 1
+        b["sum"][arm] += len(step.new_tokens) / step.seconds
 
 
 class MatchLengthK(LengthPolicy):
@@ -102,6 +248,43 @@ class MatchLengthK(LengthPolicy):
 
     def choose_k(self, obs) -> int:
         return self.k if obs[self._index] >= self.min_match else 0
+
+
+class ActionTable:
+    """The actions of a policy that picks k and, inside the draft, a stop level (the top-1 probability below which a
+    model draft stops, `StopRule.min_confidence`; 0 = draft all k): one index per pair, action = level index x
+    (k_max + 1) + k. The first level is 0, so actions 0..k_max are k itself (a rule's k steps an env of any table)."""
+
+    def __init__(self, k_max: int, stop_levels=(0.0,)):
+        levels = [float(v) for v in stop_levels]
+        if not levels or levels[0] != 0.0 or len(set(levels)) != len(levels) or any(not 0.0 <= v < 1.0 for v in levels):
+            raise SpecPilotError(f"stop levels must be distinct probabilities in [0, 1), the first 0 (actions 0..k_max "
+                                 f"stay plain k), got {list(stop_levels)}")
+        self.stop_levels = levels
+        self.to_k = [k for _ in levels for k in range(k_max + 1)]
+        self.to_stop = [v for v in levels for _ in range(k_max + 1)]
+        self._rules = [StopRule(min_confidence=v) if v > 0 else None for v in self.to_stop]
+
+    @classmethod
+    def of(cls, to_k: list[int], to_stop: list[float]) -> "ActionTable":
+        """The table a policy file lists (`action_to_k`, `action_to_stop`), checked against the layout above."""
+        k_max = max(to_k)
+        levels = list(dict.fromkeys(to_stop))
+        table = cls(k_max, levels)
+        if table.to_k != list(to_k) or table.to_stop != list(to_stop):
+            raise SpecPilotError("action_to_k / action_to_stop do not follow the layout level x (k_max + 1) + k")
+        return table
+
+    def __len__(self) -> int:
+        return len(self.to_k)
+
+    def decode(self, action: int, stop: StopRule | None = None) -> tuple[int, StopRule | None]:
+        """(k, stop rule) of an action: its level's rule, else `stop`. An int beyond the table (a k asked past k_max)
+        is k with `stop`."""
+        a = int(action)
+        if 0 <= a < len(self.to_k):
+            return self.to_k[a], self._rules[a] or stop
+        return a, stop
 
 
 def at_or_below(table: dict, batch: int):
@@ -234,7 +417,11 @@ class PerBatchK(LengthPolicy):
         self.policies = dict(sorted(policies.items()))
         self.name = name
         self.k_max = max(p.k_max for p in self.policies.values())
-        self.stop_below = None
+
+    @property
+    def stop(self) -> StopRule | None:
+        """The stop rule of the policy that decided the last batch (one that adapts it keeps it current)."""
+        return getattr(self, "_deciding", None) and self._deciding.stop
 
     def policy_for(self, batch: int) -> LengthPolicy:
         return at_or_below(self.policies, batch)
@@ -244,14 +431,16 @@ class PerBatchK(LengthPolicy):
             policy.reset()
 
     def choose_k(self, obs) -> int:
-        return self.policy_for(batch_of(obs)).choose_k(obs)
+        self._deciding = self.policy_for(batch_of(obs))
+        return self._deciding.choose_k(obs)
 
     def update(self, step) -> None:
         for policy in self.policies.values():
             policy.update(step)
 
 
-POLICY_HELP = ("none | static:K | heuristic | confidence:T | match:N[:K] | sglang-adaptive[:C1/C2/..[:ALPHA]] | "
+POLICY_HELP = ("none | static:K | heuristic | confidence:P[:K] (p-min) | transformers-roc[:T[:K]] | entropy:H[:K] (SVIP) | "
+               "adaedl[:GAMMA[:LAMBDA0[:K]]] | bandit-ucb[:K1/K2/..[:C]] | match:N[:K] | sglang-adaptive[:C1/C2/..[:ALPHA]] | "
                "trtllm:B=K/B=K/..[:WINDOW:THRESHOLD] | learned | learned:PATH "
                "| learned-mlp[:PATH] (the MLP alone, without its deferred rules) | learned-idle-counters[:PATH] (its hardware "
                "counters pinned to its device profile's idle ones: an ablation) (benchmark also: oracle, batch-table)")
@@ -288,8 +477,29 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, **learned_kwargs) -> Len
             return StaticK(k)
         if name == "heuristic" and not arg:
             return HeuristicK(k_max)
-        if name == "confidence":
-            return ConfidenceStop(float(arg), k_max)
+        if name in ("confidence", "entropy", "transformers-roc", "adaedl"):
+            parts = [float(v) for v in arg.split(":")] if arg else []
+            limits = {"confidence": (1, 2), "entropy": (1, 2), "transformers-roc": (0, 2), "adaedl": (0, 3)}[name]
+            if not limits[0] <= len(parts) <= limits[1]:
+                raise ValueError
+            k = int(parts.pop()) if len(parts) == limits[1] else k_max
+            if not 1 <= k <= k_max:
+                raise SpecPilotError(f"k={k} is outside [1, k_max={k_max}] (raise --k-max to allow it)")
+            if name == "confidence":
+                return ConfidenceStop(parts[0], k)
+            if name == "entropy":
+                return EntropyStop(parts[0], k)
+            if name == "transformers-roc":
+                return RocConfidence(*parts, k_max=k)
+            return AdaEDL(*parts, k_max=k)
+        if name == "bandit-ucb":
+            parts = arg.split(":") if arg else []
+            if len(parts) > 2:
+                raise ValueError
+            arms = [int(a) for a in parts[0].split("/")] if parts and parts[0] else (0, 1, 2, 3, 4, 6, 8)
+            if max(arms) > k_max:
+                raise SpecPilotError(f"bandit arm {max(arms)} is above k_max={k_max}")
+            return BanditK(arms, float(parts[1]) if len(parts) > 1 else 0.3, k_max=k_max)
         if name == "match":
             n, _, k = arg.partition(":")
             k = int(k) if k else k_max

@@ -1,21 +1,25 @@
-"""Distil a draft head (decoding/head_draft.py) for a target, offline, on a CPU in under an hour.
+"""Distil a draft head (decoding/head_draft.py) for a target, offline, on a CPU in a few hours (resumable).
 
 Stages, each resumable from the work folder:
 1. prompts: the project's train split + synthetic prompts built from Python's standard library;
 2. the target's own greedy answers to them (batched generation), appended to generations.jsonl;
-3. teacher-forced features: one target forward per sequence gives its last hidden states H and its
-   greedy predictions Y at every position (feature shards);
+3. teacher-forced features: one target forward per sequence gives, at every position, its hidden states
+   of the layers the head reads (EAGLE-3's low / middle / high features, float16), its last hidden state H
+   and its top-8 next-token probabilities (feature shards); Python's standard-library source is added as
+   teacher-forced text;
 4. training: from a start position t the head is unrolled `depth` steps exactly as it runs at
    inference (its own state fed back, the true next tokens as input), with cross-entropy against the
-   target's predictions on the sub-vocabulary plus a smooth-L1 pull of its state towards H;
-   checkpoints every few hundred steps (optimizer, schedule and sampler state included);
-5. export: the head's folder (a few MB), loadable with `--draft PATH` (or `--draft default`).
+   target's top-8 probabilities on the sub-vocabulary plus a smooth-L1 pull of its state towards H;
+   checkpoints every few hundred steps (optimizer, schedule and sampler state included); the held-out
+   answers give top-1 by depth and the tokens accepted per step at k = 1 .. 8;
+5. export: the head's folder (tens of MB), loadable with `--draft PATH` (or `--draft default`).
 """
 from __future__ import annotations
 
 import json
 import math
 import random
+import statistics
 import sys
 import sysconfig
 import time
@@ -32,12 +36,15 @@ from specpilot.decoding.head_draft import (
     DEFAULT_DRAFT,
     DraftHead,
     HeadConfig,
+    HeadDrafter,
     save_head,
     sub_head_weight,
     target_signature,
 )
+from specpilot.decoding.loop import speculative_step, start
 from specpilot.decoding.models import cache_dir, load_target
 from specpilot.decoding.prompts import Prompt, load_prompts
+from specpilot.decoding.sampling import Sampling
 from specpilot.decoding.synth_prompts import synthetic_prompts
 from specpilot.decoding.tracking import start_tracking
 
@@ -63,6 +70,12 @@ class DistillConfig:
     """Teacher-forced tokens of Python's standard-library source (code, comments, docstrings) added to
     the target's answers: the head learns the same map (target state, next token) -> target's next
     prediction on any text, and 60k answer tokens alone overfit (0 = answers only)."""
+    corpus_sources: str = "stdlib,docs"
+    """Where the teacher-forced text comes from, sharing `corpus_tokens` equally: 'stdlib' (Python's standard
+    library source) and 'docs' (installed packages' descriptions and documentation, Debian's /usr/share/doc)."""
+    max_answers: int = 0
+    """Generate the target's answers for at most this many prompts in all (a seeded choice beyond those already
+    generated; 0 = every prompt)."""
     answer_weight: int = 2
     """How many times more often a position of the target's own answers is sampled than a corpus one."""
     max_prompt_tokens: int = 384
@@ -73,6 +86,13 @@ class DistillConfig:
     """Prompts generated together (left-padded batch)."""
     vocab: int = 8192
     """Sub-vocabulary size: the most frequent target tokens the head can propose (FR-Spec)."""
+    feature_layers: str = "auto"
+    """The target's layers the head reads at its first step, as indices into its `hidden_states` (0 = the
+    embeddings, -1 = the last layer after the final norm), comma-separated; 'auto' = a third and two thirds of
+    the way up plus the last (EAGLE-3's low, middle and high features); '-1' = the last layer only."""
+    soft_labels: int = 8
+    """Train on the target's top-N next-token probabilities (renormalised on the sub-vocabulary) rather than
+    its greedy token alone (1 = the greedy token)."""
     blocks: int = 2
     """Residual MLP blocks in the head."""
     intermediate_size: int = 1536
@@ -130,8 +150,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 @torch.inference_mode()
 def generate_answers(target, prompts: list[Prompt], path: Path, max_new_tokens: int, batch: int,
-                     max_prompt_tokens: int, progress: bool = True) -> list[dict]:
-    """The target's greedy answers, appended to `path` batch by batch (prompts already there are skipped)."""
+                     max_prompt_tokens: int, progress: bool = True, max_answers: int = 0, seed: int = 0) -> list[dict]:
+    """The target's greedy answers, appended to `path` batch by batch (prompts already there are skipped; with
+    `max_answers`, a seeded choice of the others up to that many answers in all)."""
     rows = _read_jsonl(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop a torn last line
     done = {r["id"] for r in rows}
@@ -142,6 +163,9 @@ def generate_answers(target, prompts: list[Prompt], path: Path, max_new_tokens: 
         ids = target.encode(p.text, chat=True)
         if len(ids) <= max_prompt_tokens:
             todo.append((p.question_id, ids))
+    if max_answers:
+        random.Random(seed).shuffle(todo)
+        todo = todo[: max(0, max_answers - len(rows))]
     todo.sort(key=lambda item: len(item[1]))  # similar lengths together: less padding
     model = target.model
     pad = getattr(target.tokenizer, "pad_token_id", None)
@@ -174,13 +198,31 @@ def generate_answers(target, prompts: list[Prompt], path: Path, max_new_tokens: 
     return rows
 
 
+def parse_layers(text: str, n_layers: int) -> list[int]:
+    """`feature_layers` as hidden-state indices: 'auto' = [n/3, 2n/3, -1] for a target of n layers."""
+    if text.strip() == "auto":
+        return [n_layers // 3, 2 * n_layers // 3, -1]
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise SpecPilotError(f"--feature-layers must be 'auto' or comma-separated integers, got '{text}'") from None
+    bad = [i for i in layers if not -(n_layers + 1) <= i <= n_layers]
+    if bad or not layers:
+        raise SpecPilotError(f"--feature-layers {text}: the target has hidden states 0..{n_layers} (or -1 for the last)")
+    return layers
+
+
 @torch.inference_mode()
-def extract_features(target, rows: list[dict], folder: Path, shard_size: int = 64, progress: bool = True) -> dict:
-    """Per position from the last-but-one prompt token on: the target's final hidden state `hidden`,
-    the token `tokens` and the target's greedy prediction `labels` (of the next token); sequences are
-    concatenated, `starts` marks where each begins. Shards are written as they finish (resumable)."""
+def extract_features(target, rows: list[dict], folder: Path, layers: list[int], top: int = 8, shard_size: int = 64,
+                     progress: bool = True) -> dict:
+    """Per position from the last-but-one prompt token on: the target's hidden states of `layers`
+    concatenated (`features`, float16), its last hidden state when -1 is not among them (`final`), the token
+    (`tokens`), the target's `top` likeliest next tokens (`top_ids`, greedy first) and their probabilities
+    (`top_probs`); sequences are concatenated, `lengths` gives each one's. Shards are written as they finish
+    (resumable; a shard of other rows or layers is redone)."""
     folder.mkdir(parents=True, exist_ok=True)
     model = target.model
+    stored = layers + ([] if -1 in layers or len(layers) == 0 else [-1])
     shards = []
     bar = tqdm(total=len(rows), desc="target features", disable=not progress, file=sys.stderr)
     for index, first in enumerate(range(0, len(rows), shard_size)):
@@ -188,54 +230,107 @@ def extract_features(target, rows: list[dict], folder: Path, shard_size: int = 6
         path = folder / f"features-{index:04d}.pt"
         if path.exists():
             shard = torch.load(path)
-            if shard["ids"] == [r["id"] for r in chunk]:
+            if shard["ids"] == [r["id"] for r in chunk] and shard.get("layers") == stored and shard.get("top") == top:
                 shards.append(shard)
                 bar.update(len(chunk))
                 continue
-        hidden, tokens, labels, lengths = [], [], [], []
+        features, tokens, top_ids, top_probs, lengths = [], [], [], [], []
         for r in chunk:
             ids = torch.tensor(r["prompt_ids"] + r["answer_ids"], device=target.device)
             out = model(input_ids=ids[None], output_hidden_states=True)
             keep = max(len(r["prompt_ids"]) - 2, 0)
-            hidden.append(out.hidden_states[-1][0, keep:].float().cpu())
-            labels.append(out.logits[0, keep:].argmax(-1).cpu())
+            features.append(torch.cat([out.hidden_states[i][0, keep:] for i in stored], dim=-1).half().cpu())
+            probs, best = torch.softmax(out.logits[0, keep:].float(), dim=-1).topk(top, dim=-1)
+            top_ids.append(best.int().cpu())
+            top_probs.append(probs.half().cpu())
             tokens.append(ids[keep:].cpu())
             lengths.append(ids.shape[0] - keep)
             bar.update(1)
-        shard = {"ids": [r["id"] for r in chunk], "hidden": torch.cat(hidden), "tokens": torch.cat(tokens),
-                 "labels": torch.cat(labels), "lengths": lengths}
-        torch.save(shard, path)
+        shard = {"ids": [r["id"] for r in chunk], "layers": stored, "top": top, "features": torch.cat(features),
+                 "tokens": torch.cat(tokens), "top_ids": torch.cat(top_ids), "top_probs": torch.cat(top_probs),
+                 "lengths": lengths}
+        partial = path.with_suffix(".partial")
+        torch.save(shard, partial)
+        partial.replace(path)
         shards.append(shard)
     bar.close()
-    return {
-        "hidden": torch.cat([s["hidden"] for s in shards]),
+    hidden = model.get_output_embeddings().weight.shape[1]
+    features = torch.cat([s["features"] for s in shards])
+    last = stored.index(-1)
+    data = {
+        "features": features[:, : len(layers) * hidden] if len(stored) > len(layers) else features,
+        "final": features[:, last * hidden : (last + 1) * hidden],
         "tokens": torch.cat([s["tokens"] for s in shards]),
-        "labels": torch.cat([s["labels"] for s in shards]),
+        "top_ids": torch.cat([s["top_ids"] for s in shards]).long(),
+        "top_probs": torch.cat([s["top_probs"] for s in shards]),
         "lengths": [n for s in shards for n in s["lengths"]],
     }
+    data["labels"] = data["top_ids"][:, 0]
+    return data
 
 
-def corpus_rows(target, n_tokens: int, seed: int, chunk: int = 256) -> list[dict]:
-    """`n_tokens` of Python's standard-library source in `chunk`-token pieces (files in a seeded
-    order; test suites and IDLE skipped), as rows with an empty prompt."""
-    if n_tokens <= 0:
-        return []
+SKIPPED_DOC_NAMES = {"LICENSE", "LICENCE", "COPYING", "RECORD", "TOP_LEVEL", "ENTRY_POINTS", "AUTHORS", "NOTICE",
+                     "REQUIRES", "DEPENDENCY_LINKS", "SOURCES", "INSTALLER", "WHEEL", "CHANGELOG", "CHANGES", "HISTORY"}
+
+
+def stdlib_files(seed: int) -> list[Path]:
+    """Python's standard-library source files in a seeded order (test suites, IDLE and lib2to3 skipped)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if not {"test", "tests", "idlelib", "site-packages", "lib2to3"} & set(p.relative_to(root).parts))
     random.Random(seed).shuffle(files)
-    rows, total = [], 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        ids = target.tokenizer(text)["input_ids"]
-        for first in range(0, len(ids) - chunk + 1, chunk):
-            rows.append({"id": f"corpus-{path.relative_to(root)}-{first}", "prompt_ids": [], "answer_ids": ids[first : first + chunk]})
-            total += chunk
-            if total >= n_tokens:
-                return rows
+    return files
+
+
+def doc_files(seed: int, per_package: int = 200) -> list[Path]:
+    """English prose shipped on the machine, in a seeded order: installed distributions' descriptions
+    (`*.dist-info/METADATA`), the .md / .rst / .txt files of installed packages (at most `per_package` from one
+    top-level folder, so no one package dominates) and Debian's /usr/share/doc; licences and changelogs skipped."""
+    roots = [Path(sysconfig.get_paths()["purelib"])]
+    files, by_package = [], Counter()
+    for root in roots:
+        files += sorted(root.glob("*.dist-info/METADATA"))
+        for path in sorted(p for ext in ("md", "rst", "txt") for p in root.rglob(f"*.{ext}")):
+            package = path.relative_to(root).parts[0]
+            if path.name.upper().split(".")[0] in SKIPPED_DOC_NAMES or by_package[package] >= per_package:
+                continue
+            by_package[package] += 1
+            files.append(path)
+    share = Path("/usr/share/doc")
+    if share.is_dir():
+        files += sorted(p for ext in ("md", "txt") for p in share.rglob(f"*.{ext}")
+                        if p.name.upper().split(".")[0] not in SKIPPED_DOC_NAMES)
+    random.Random(seed).shuffle(files)
+    return files
+
+
+def corpus_rows(target, n_tokens: int, seed: int, chunk: int = 256, sources: str = "stdlib,docs") -> list[dict]:
+    """About `n_tokens` of offline text in `chunk`-token pieces, as rows with an empty prompt, shared equally by
+    the `sources`: 'stdlib' (Python's standard-library source: code, comments, docstrings) and 'docs' (`doc_files`:
+    package descriptions and documentation). Nothing from the project's prompt splits."""
+    if n_tokens <= 0:
+        return []
+    listing = {"stdlib": stdlib_files, "docs": doc_files}
+    names = [name.strip() for name in sources.split(",") if name.strip()]
+    unknown = [name for name in names if name not in listing]
+    if unknown or not names:
+        raise SpecPilotError(f"--corpus-sources lists {', '.join(listing)}; got '{sources}'")
+    rows = []
+    for name in names:
+        total, share = 0, n_tokens // len(names)
+        for path in listing[name](seed):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            ids = target.tokenizer(text)["input_ids"]
+            for first in range(0, len(ids) - chunk + 1, chunk):
+                rows.append({"id": f"corpus-{name}-{path}-{first}", "prompt_ids": [], "answer_ids": ids[first : first + chunk]})
+                total += chunk
+                if total >= share:
+                    break
+            if total >= share:
+                break
     return rows
 
 
@@ -273,9 +368,11 @@ class Batches:
 
 
 def unroll(head: DraftHead, data: dict, starts: torch.Tensor, depth: int, embed: torch.Tensor,
-           head_weight: torch.Tensor, feature_weight: float):
-    """(loss, correct) for chains from `starts`: correct[i, b] = step i's top-1 equals the target's."""
-    state = data["hidden"][starts]
+           head_weight: torch.Tensor, feature_weight: float, soft_labels: int = 1):
+    """(loss, correct) for chains from `starts`: correct[i, b] = step i's top-1 equals the target's greedy token.
+    The loss is the cross-entropy against the target's top-`soft_labels` next-token probabilities renormalised
+    on the sub-vocabulary (1: its greedy token), plus `feature_weight` x smooth-L1 to its last hidden state."""
+    state = head.start(data["features"][starts].float())
     loss = 0.0
     correct = []
     for i in range(1, depth + 1):
@@ -283,9 +380,16 @@ def unroll(head: DraftHead, data: dict, starts: torch.Tensor, depth: int, embed:
         state = head.advance(state, embed[data["tokens"][at]])
         logits = head.logits(state, head_weight)
         labels = data["sub_labels"][at]
-        loss = loss + torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
+        if soft_labels > 1:
+            sub = data["sub_top"][at][:, :soft_labels]
+            weight = data["top_probs"][at][:, :soft_labels].float() * (sub != IGNORE)
+            weight = weight / weight.sum(-1, keepdim=True).clamp_min(1e-6)
+            logp = torch.log_softmax(logits, dim=-1).gather(1, sub.clamp_min(0))
+            loss = loss - (weight * logp).sum(-1).mean()
+        else:
+            loss = loss + torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
         if feature_weight:
-            loss = loss + feature_weight * torch.nn.functional.smooth_l1_loss(state, data["hidden"][at])
+            loss = loss + feature_weight * torch.nn.functional.smooth_l1_loss(state, data["final"][at].float())
         correct.append((logits.argmax(-1) == labels) & (labels != IGNORE))
     return loss / depth, torch.stack(correct)
 
@@ -297,20 +401,30 @@ def chain_metrics(correct: torch.Tensor, k: int = 4) -> dict:
             **{f"top1_step{i + 1}": float(c.float().mean()) for i, c in enumerate(correct)}}
 
 
+def acceptance_by_k(correct: torch.Tensor) -> list[float]:
+    """Mean drafted tokens a greedy verifier accepts per step at k = 1 .. depth (chains on the target's answers)."""
+    return [round(float(v), 4) for v in torch.cumprod(correct.float(), dim=0).cumsum(0).mean(1)]
+
+
 def _lr(step: int, total: int, peak: float, warmup: int = 100) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], work: Path, run=None) -> tuple[DraftHead, dict]:
+EVAL_DEPTH = 8
+"""Draft steps the held-out evaluation unrolls (top-1 by depth, acceptance at k = 1 .. 8)."""
+
+
+def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], work: Path, run=None,
+               layers: tuple[int, ...] = (-1,)) -> tuple[DraftHead, dict]:
     device = target.device
     torch.manual_seed(cfg.seed)
     model = target.model
     head_cfg = HeadConfig(
         hidden_size=int(model.get_output_embeddings().weight.shape[1]), intermediate_size=cfg.intermediate_size,
         blocks=cfg.blocks, vocab_ids=vocab_ids, target_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-        target_signature=target_signature(model), target_name=target.name,
+        target_signature=target_signature(model), target_name=target.name, feature_layers=list(layers),
     )
     head = DraftHead(head_cfg).to(device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.01)
@@ -321,13 +435,17 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
     val_seq = order[:n_val]  # held out: answers only, the distribution the draft serves
     train_seq = order[n_val:] * max(1, cfg.answer_weight) + list(range(answers, len(data["lengths"])))
     batches = Batches(data["lengths"], cfg.depth, train_seq, cfg.seed)
-    val_starts = Batches(data["lengths"], cfg.depth, val_seq, cfg.seed).starts[:4096] if n_val else None
+    eval_depth = max(cfg.depth, EVAL_DEPTH)
+    val_starts = Batches(data["lengths"], eval_depth, val_seq, cfg.seed).starts if n_val else None
+    if val_starts is not None:  # an even spread over the held-out answers, at most 4096 chains
+        val_starts = val_starts[:: max(1, val_starts.numel() // 4096)][:4096]
     embed = model.get_input_embeddings().weight.detach().float()
     head_weight = sub_head_weight(model, torch.tensor(vocab_ids, device=device)).float()
     step, history = 0, []
     ckpt = work / "checkpoint.pt"
-    shape = {k: getattr(cfg, k) for k in ("vocab", "blocks", "intermediate_size", "depth", "seed", "corpus_tokens",
-                                          "answer_weight")}
+    shape = {k: getattr(cfg, k) for k in ("vocab", "blocks", "intermediate_size", "depth", "seed", "corpus_tokens", "corpus_sources",
+                                          "answer_weight", "soft_labels")}
+    shape["feature_layers"] = list(layers)
     if ckpt.exists() and not cfg.fresh:
         saved = torch.load(ckpt, weights_only=False)
         if saved["shape"] != shape:
@@ -349,9 +467,10 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
             return {}
         head.eval()
         with torch.no_grad():
-            _, correct = unroll(head, data, val_starts.to(device), cfg.depth, embed, head_weight, 0.0)
+            _, correct = unroll(head, data, val_starts.to(device), eval_depth, embed, head_weight, 0.0)
         head.train()
-        return {f"val/{k}": v for k, v in chain_metrics(correct).items()}
+        accepted = {f"val/accepted_k{k + 1}": v for k, v in enumerate(acceptance_by_k(correct))}
+        return {**{f"val/{k}": v for k, v in chain_metrics(correct).items()}, **accepted}
 
     bar = tqdm(total=cfg.steps, initial=step, desc="train head", disable=not cfg.progress, file=sys.stderr)
     head.train()
@@ -363,7 +482,8 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
                 group["lr"] = _lr(step, cfg.steps, cfg.lr)
             sampler_state = batches.generator.get_state()  # before this step's draw: what a resume must redo
             starts = batches.sample(cfg.batch_size).to(device)
-            loss, correct = unroll(head, data, starts, cfg.depth, embed, head_weight, cfg.feature_weight)
+            loss, correct = unroll(head, data, starts, cfg.depth, embed, head_weight, cfg.feature_weight,
+                                   soft_labels=cfg.soft_labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -391,6 +511,42 @@ def train_head(cfg: DistillConfig, target, data: dict, vocab_ids: list[int], wor
     return head.eval(), {"history": history, "final": final}
 
 
+@torch.inference_mode()
+def measure_cost(target, drafter, prompt_ids: list[int], repeats: int = 30, k: int = EVAL_DEPTH) -> dict:
+    """Median milliseconds of one plain target step (one row, no draft) and of one drafted token (a k-token
+    draft, divided by k), at the prompt's context, and their ratio: what a drafted token costs in plain steps."""
+    plain_state = start(target, None, prompt_ids, repeats + 2)
+    plain = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        speculative_step(plain_state, 0)
+        plain.append(time.perf_counter() - t0)
+    state = start(target, drafter, prompt_ids, 8)
+    drafted = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        drafter.propose(state.context, k, Sampling(), None, target_hidden=state.hidden)
+        drafted.append((time.perf_counter() - t0) / k)
+    plain_ms, draft_ms = 1e3 * statistics.median(plain), 1e3 * statistics.median(drafted)
+    return {"plain_step_ms": round(plain_ms, 3), "draft_token_ms": round(draft_ms, 3),
+            "draft_token_over_plain_step": round(draft_ms / plain_ms, 4), "context": len(prompt_ids)}
+
+
+def report_lines(trained: dict) -> list[str]:
+    """The held-out report `distill` prints: top-1 agreement by depth, accepted tokens per step at k = 1..8, cost."""
+    depth = [trained[f"val/top1_step{d}"] for d in range(1, EVAL_DEPTH + 1) if f"val/top1_step{d}" in trained]
+    accepted = [trained[f"val/accepted_k{k}"] for k in range(1, EVAL_DEPTH + 1) if f"val/accepted_k{k}" in trained]
+    lines = ["held-out answers (never trained on):",
+             "  depth / k              " + " ".join(f"{d:>6}" for d in range(1, len(depth) + 1)),
+             "  top-1 agreement        " + " ".join(f"{v:6.3f}" for v in depth),
+             "  accepted tokens / step " + " ".join(f"{v:6.3f}" for v in accepted)]
+    cost = trained.get("cost")
+    if cost:
+        lines.append(f"  cost: {cost['draft_token_ms']:.2f} ms per drafted token against {cost['plain_step_ms']:.2f} ms "
+                     f"per plain step ({100 * cost['draft_token_over_plain_step']:.1f}%, one row, context {cost['context']})")
+    return lines
+
+
 def distill(cfg: DistillConfig) -> Path:
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "distill" / out.name
@@ -399,16 +555,19 @@ def distill(cfg: DistillConfig) -> Path:
     prompts = collect_prompts(cfg)
     _say(f"{len(prompts)} prompts; work folder {work}")
     rows = generate_answers(target, prompts, work / "generations.jsonl", cfg.max_new_tokens, cfg.gen_batch,
-                            cfg.max_prompt_tokens, cfg.progress)
+                            cfg.max_prompt_tokens, cfg.progress, cfg.max_answers, cfg.seed)
     if not rows:
         raise SpecPilotError(f"no prompt fits in --max-prompt-tokens {cfg.max_prompt_tokens}")
-    corpus = corpus_rows(target, cfg.corpus_tokens, cfg.seed)
-    data = extract_features(target, rows + corpus, work / "features", progress=cfg.progress)
+    corpus = corpus_rows(target, cfg.corpus_tokens, cfg.seed, sources=cfg.corpus_sources)
+    layers = parse_layers(cfg.feature_layers, int(target.model.config.num_hidden_layers))
+    data = extract_features(target, rows + corpus, work / "features", layers, top=max(1, cfg.soft_labels),
+                            progress=cfg.progress)
     data["answers"] = len(rows)
     vocab_ids = choose_vocab(data, rows, cfg.vocab, target.eos_ids)
     index = torch.full((target.vocab_size,), IGNORE, dtype=torch.long)
     index[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
     data["sub_labels"] = index[data["labels"]]
+    data["sub_top"] = index[data["top_ids"]]
     coverage = float((data["sub_labels"] != IGNORE).float().mean())
     _say(f"{data['labels'].numel()} positions from {len(rows)} answers and {len(corpus)} corpus pieces; "
          f"sub-vocabulary {len(vocab_ids)} covers {coverage:.1%}")
@@ -416,15 +575,20 @@ def distill(cfg: DistillConfig) -> Path:
     run = start_tracking(cfg.track, cfg.wandb_project, work, {**asdict(cfg), "positions": int(data["labels"].numel()),
                                                               "vocab_coverage": coverage})
     try:
-        head, result = train_head(cfg, target, data, vocab_ids, work, run)
+        head, result = train_head(cfg, target, data, vocab_ids, work, run, layers=tuple(layers))
         head.cfg.trained["vocab_coverage"] = round(coverage, 4)
+        probe = rows[0]["prompt_ids"] + rows[0]["answer_ids"][:32]
+        head.cfg.trained["cost"] = measure_cost(target, HeadDrafter(head, target.model), probe)
+        if run is not None:
+            run.log({f"cost/{k}": v for k, v in head.cfg.trained["cost"].items()})
         save_head(head, out)
         (work / "history.json").write_text(json.dumps(result["history"]))
     finally:
         if run is not None:
             run.finish()
-    _say(f"draft head written to {out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters); "
-         f"held-out: {json.dumps({k: round(v, 3) for k, v in result['final'].items()})}")
+    _say(f"draft head written to {out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters)")
+    for line in report_lines(head.cfg.trained):
+        _say(line)
     return out
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpilot.decoding.drafters import NgramDrafter
+from specpilot.decoding.drafters import NgramDrafter, hidden_features
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import counters_by_name
 from specpilot.decoding.paths import atomic_write_text, read_json_file
@@ -68,7 +68,7 @@ def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_ma
     n_prompt = len(prompt_ids)
     hidden = None
     if draft.needs_hidden:  # the target's last hidden states, as the loop would hand them over
-        hidden = target.model(input_ids=full[None], output_hidden_states=True).hidden_states[-1][0]
+        hidden = hidden_features(target.model(input_ids=full[None], output_hidden_states=True).hidden_states, draft)[0]
     draft.reset(full[:n_prompt])
     matches, available, confidences, entropies, match_lens = [], [], [], [], []
     greedy = Sampling()

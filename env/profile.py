@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from specpilot.decoding.drafters import Draft
+from specpilot.decoding.drafters import Draft, hidden_features
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import HW_FEATURES, shared_monitor
 from specpilot.decoding.loop import speculative_step, start, synchronize
@@ -43,11 +43,11 @@ class RandomDrafter:
     def rollback_batch(self, lengths, rows):
         pass
 
-    def propose(self, context, k, sampling, generator, stop_below=None, target_hidden=None) -> Draft:
+    def propose(self, context, k, sampling, generator, stop=None, target_hidden=None) -> Draft:
         tokens = torch.randint(0, self.vocab_size, (k,), generator=self.generator, device="cpu").to(context.device)
         return Draft(tokens=tokens, confidences=[1.0] * k, entropies=[0.0] * k)
 
-    def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None) -> Draft:
+    def propose_batch(self, contexts, k, sampling, generator, stop=None, target_hidden=None, rows=None) -> Draft:
         tokens = torch.randint(0, self.vocab_size, (len(contexts), k), generator=self.generator, device="cpu").to(contexts[0].device)
         return Draft(tokens=tokens, confidences=[1.0] * k, entropies=[0.0] * k)
 
@@ -193,7 +193,7 @@ def _draft_cost(draft, state, k_max: int, repeats: int) -> float:
     if draft.needs_hidden:  # the target's hidden state at the last processed position, as in the loop
         with torch.inference_mode():
             out = state.target.model(input_ids=torch.stack([c[:-1] for c in contexts]), output_hidden_states=True)
-        hidden = out.hidden_states[-1][:, -1]
+        hidden = hidden_features(out.hidden_states, draft)[:, -1]
     greedy, rows = Sampling(), list(range(len(contexts)))
     confirmed = [c.shape[0] - 1 for c in contexts]
     if batched:

@@ -26,17 +26,19 @@ needs to know about the machine. The reward stays exact: plain decoding is price
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import gymnasium as gym
 import numpy as np
 
-from specpilot.decoding.drafters import match_statistics
+from specpilot.decoding.drafters import StopRule, match_statistics
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import HW_FEATURES
 from specpilot.decoding.loop import BatchView, RowView, StepResult
 from specpilot.decoding.observation import ObservationBuilder
+from specpilot.decoding.policies import ActionTable
 from specpilot.decoding.prompts import batches_of
 
 from .episode import EpisodeStats, PlainCredit, step_reward
@@ -127,7 +129,7 @@ class ReplayEnv(gym.Env):
                  hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved",
                  batch_sizes: tuple[int, ...] | list[int] = (1,), speed_jitter: float = 1.0,
                  context_lens: tuple[int, ...] | list[int] = (), conditions: list[MachineCondition] = (),
-                 hardware_noise: float = 0.0, cost_jitter: float = 0.0):
+                 hardware_noise: float = 0.0, cost_jitter: float = 0.0, stop_levels=(0.0,)):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
@@ -165,9 +167,13 @@ class ReplayEnv(gym.Env):
         self.observer = ObservationBuilder(k_max, monitor=self.monitor)
         # plain decoding priced by the episode's cost model (its machine condition), at this episode's speed
         self.credit = PlainCredit(lambda context, batch: self.speed * float(self.cost.step_costs(context, batch)[0][0]))
-        self.action_space = gym.spaces.Discrete(k_max + 1)
+        # an action is k, or with several stop levels (k, the top-1 probability below which the draft stops)
+        self.actions = ActionTable(k_max, stop_levels)
+        self.action_space = gym.spaces.Discrete(len(self.actions))
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state: ReplayState | None = None
+        self.stop: StopRule | None = None
+        """The stop rule inside the draft for the next step (`replay_episode` sets the policy's before each step)."""
 
     def _row(self, trace: Trace) -> ReplayRow:
         budget = len(trace.output_ids) if self.max_new_tokens is None else self.max_new_tokens
@@ -228,7 +234,10 @@ class ReplayEnv(gym.Env):
             raise SpecPilotError("call reset() before step() (the episode has ended)")
         rows = state.active_rows
         batch = len(rows)
-        k = max(0, min(int(action), state.remaining - 1))
+        asked, stop = self.actions.decode(action, self.stop)
+        k = max(0, min(asked, state.remaining - 1))
+        if stop is not None and k:
+            k = stop_depth(stop, [(r.trace, r.length - r.prompt_len) for r in rows], k)
         drafted_rows, accepted_rows, new_rows = [], [], []
         for r in rows:
             i = r.length - r.prompt_len
@@ -250,7 +259,7 @@ class ReplayEnv(gym.Env):
             r.length += n_new
             r.done = r.length - r.prompt_len >= r.end
         trace, i = first
-        step = StepResult(k=drafted, k_requested=int(action),
+        step = StepResult(k=drafted, k_requested=asked,
                           accepted=accepted_rows[0] if batch == 1 else sum(accepted_rows) / batch,
                           new_tokens=[t for new in new_rows for t in new],
                           draft_s=draft_s, verify_s=seconds - draft_s,
@@ -273,6 +282,24 @@ class ReplayEnv(gym.Env):
         if state.done:
             info["spec_episode"] = self.episode.summary(self.trace.category)
         return self.observer.build(state), float(reward), state.done, False, info
+
+
+def stop_depth(stop: StopRule, rows: list[tuple[Trace, int]], k: int) -> int:
+    """How many tokens a batch's model draft proposes under `stop` when asked for k: it stops before depth d when
+    every row would (`StopRule.stops`) by its trace's draft probability and entropy there; a row whose trace has
+    no token at depth d counts as stopping. Exact for greedy traces (the drafts do not depend on the stop)."""
+    for d in range(k):
+        confidences, entropies = [], []
+        for trace, i in rows:
+            if i < len(trace.confidences) and d < len(trace.confidences[i]) and d < trace.available[i]:
+                confidences.append(trace.confidences[i][d])
+                entropies.append(trace.entropies[i][d] if i < len(trace.entropies) and d < len(trace.entropies[i]) else 0.0)
+            else:
+                confidences.append(-1.0)  # no token here: stops whatever the rule
+                entropies.append(math.inf)
+        if stop.stops(confidences, entropies):
+            return d
+    return k
 
 
 def batch_means(per_row: list[tuple[list[list[float]], int]], drafted: int) -> list[float]:
@@ -317,8 +344,11 @@ def replay_episode(env: ReplayEnv, policy, trace_indices: list[int], context_len
     policy.reset()
     done = False
     while not done:
-        obs, _, done, _, _ = env.step(policy.choose_k(obs))
+        k = policy.choose_k(obs)
+        env.stop = getattr(policy, "stop", None)  # read after choose_k, as the real loop does
+        obs, _, done, _, _ = env.step(k)
         policy.update(env.last_step)
+    env.stop = None
     return env.episode
 
 

@@ -24,7 +24,7 @@ from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.loop import speculative_step, start
 from specpilot.decoding.models import load_draft, load_target
 from specpilot.decoding.observation import ObservationBuilder
-from specpilot.decoding.policies import DEFAULT_K_MAX
+from specpilot.decoding.policies import DEFAULT_K_MAX, ActionTable
 from specpilot.decoding.prompts import Prompt, load_prompts
 from specpilot.decoding.sampling import Sampling
 
@@ -52,6 +52,7 @@ class SpecDecodeEnv(gym.Env):
         batch_sizes: tuple[int, ...] | list[int] = (1,),
         loads: tuple[str, ...] | list[str] = ("none",),
         plain_speeds: dict[str, PlainSpeed] | None = None,
+        stop_levels=(0.0,),
     ):
         super().__init__()
         if target is None:  # gym.make with no arguments: the embedded pair
@@ -84,9 +85,13 @@ class SpecDecodeEnv(gym.Env):
         self.plain_speed = self.plain_speeds[self.load]
         self.observer = observer or ObservationBuilder(k_max)
         self.credit = PlainCredit(lambda context, rows: self.plain_speed.step_seconds(context, rows))
-        self.action_space = gym.spaces.Discrete(k_max + 1)
+        # an action is k, or with several stop levels (k, the top-1 probability below which the draft stops)
+        self.actions = ActionTable(k_max, stop_levels)
+        self.action_space = gym.spaces.Discrete(len(self.actions))
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state = None
+        self.stop = None
+        """The stop rule inside the draft for the next step (a `decoding.drafters.StopRule`; None: draft all k)."""
         self.prompt: Prompt | None = None
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -128,7 +133,8 @@ class SpecDecodeEnv(gym.Env):
     def step(self, action):
         if self.state is None or self.state.done:
             raise SpecPilotError("call reset() before step() (the episode has ended)")
-        step = speculative_step(self.state, int(action))
+        k, stop = self.actions.decode(action, self.stop)
+        step = speculative_step(self.state, k, stop=stop)
         self.observer.push(step)
         tokens, batch = len(step.new_tokens), step.batch_size
         seconds = max(step.seconds, 1e-9)

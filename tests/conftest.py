@@ -77,7 +77,7 @@ class RandomK:
     """A length policy that picks k at random in [0, k_max + 3] (beyond the budget too)."""
 
     name = "random"
-    stop_below = None
+    stop = None
 
     def __init__(self, k_max: int = 8, seed: int = 0):
         self.k_max = k_max

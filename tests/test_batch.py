@@ -77,7 +77,7 @@ class PartlyRightDrafter:
     def rollback_batch(self, lengths, rows):
         pass
 
-    def propose_batch(self, contexts, k, sampling, generator, stop_below=None, target_hidden=None, rows=None):
+    def propose_batch(self, contexts, k, sampling, generator, stop=None, target_hidden=None, rows=None):
         from specpilot.decoding.drafters import Draft
 
         tokens = torch.empty(len(contexts), k, dtype=torch.long)

@@ -91,3 +91,28 @@ def test_a_cost_profile_through_another_kernel_is_stale_while_traces_are_kept(tm
     assert stale_reason(tmp_path / "none.json", target, "cost profile", {}) == "none yet"
     target.name += " [small-rows gemm]"
     assert stale_reason(profile, target, "cost profile", {}) is None
+
+
+def test_traces_of_other_draft_head_weights_are_stale(tmp_path, tiny_pair):
+    """A retrained head keeps its name ('default'): the traces and profiles record its weights' hash, and the chain
+    records them anew when the weights on disk are others."""
+    from types import SimpleNamespace
+
+    from specpilot.agents.train_cli import stale_reason
+    from specpilot.decoding.head_draft import HeadDrafter, load_head, save_head
+    from test_head_draft import random_head
+
+    model, _ = tiny_pair
+    folder = save_head(random_head(model, list(range(64))), tmp_path / "head")
+    draft = HeadDrafter(load_head(folder), model)
+    assert len(draft.weights_id) == 16
+    target = SimpleNamespace(name="t", dtype="torch.float32")
+    traces = tmp_path / "traces.json"
+    meta = {"target": "t", "dtype": "torch.float32", "k_max": 8, "max_new_tokens": 64, "draft_weights": draft.weights_id}
+    traces.write_text(json.dumps({"meta": meta, "traces": []}))
+    assert stale_reason(traces, target, "traces", {}, draft) is None
+    save_head(random_head(model, list(range(64)), seed=1), folder)  # retrained in place
+    again = HeadDrafter(load_head(folder), model)
+    assert again.weights_id != draft.weights_id
+    assert "draft weights" in stale_reason(traces, target, "traces", {}, again)
+    assert stale_reason(traces, target, "traces", {}, SimpleNamespace(name="ngram:3")) is None  # no weights of its own

@@ -114,6 +114,23 @@ def test_short_distillation_learns_and_decodes_losslessly(tiny_model_dirs, tmp_p
     result = generate(target, draft, parse_policy("static:4"), prompt, 20)
     assert result.token_ids == plain_greedy(target.model, prompt, 20, eos=0)
     assert result.stats.accept_rate > 0.0
+    trained = draft.head.cfg.trained
+    assert draft.head.cfg.feature_layers == [0, 1, -1]  # 'auto' on a two-layer target: low, middle, last
+    accepted = [trained[f"val/accepted_k{k}"] for k in range(1, 9)]
+    assert accepted == sorted(accepted) and accepted[-1] <= 8  # a longer draft never keeps fewer tokens
+    assert accepted[0] == pytest.approx(trained["val/top1_step1"], abs=1e-3)  # k = 1 keeps its depth-1 agreement
+    assert trained["cost"]["draft_token_ms"] > 0 and trained["cost"]["plain_step_ms"] > 0
+
+
+def test_a_head_on_the_last_layer_alone_and_greedy_labels_still_trains(tiny_model_dirs, tmp_path):
+    out = distill(_cfg(tiny_model_dirs, tmp_path, "last", feature_layers="-1", soft_labels=1, steps=20))
+    target = load_target(tiny_model_dirs["target"], dtype="float32", device="cpu")
+    draft = load_draft(str(out), target)
+    assert draft.head.cfg.feature_layers == [-1] and draft.head.fuse is None
+    prompt = target.encode("say hi", chat=True)
+    assert generate(target, draft, parse_policy("static:3"), prompt, 12).token_ids == plain_greedy(target.model, prompt, 12, eos=0)
+    with pytest.raises(SpecPilotError, match="feature-layers"):
+        distill(_cfg(tiny_model_dirs, tmp_path, "bad", feature_layers="0,7"))
 
 
 def test_killed_distillation_resumes_to_the_same_head(tiny_model_dirs, tmp_path, monkeypatch):
