@@ -94,7 +94,8 @@ class ProfileConfig:
     simulate: str | None = None
     """a100 | h100 | h200 | l4: write a simulated profile of that chip (a roofline model, env/simulate.py) for
     --target-config verifying --draft-config drafts (or n-gram drafts without it), at --simulate-batch-sizes
-    x --simulate-context-lens; no model runs, no GPU needed. Written as OUT/DEVICE-simulated.json."""
+    x --simulate-context-lens; no model runs, no GPU needed. Written as OUT/DEVICE-simulated.json (with
+    --draft-config: OUT/DEVICE-SHAPE-simulated.json, SHAPE its folder's name)."""
     simulate_batch_sizes: str = "1,2,4,8,16,32,64,128,256"
     """Batch sizes of a simulated profile."""
     simulate_context_lens: str = "128,512,1024,2048,4096,8192,16384,32768"
@@ -247,7 +248,8 @@ def _simulate(cfg) -> int:
     profile = simulate_profile(cfg.simulate.strip().lower(), cfg.target_config, cfg.draft_config, cfg.k_max,
                                parse_ints(cfg.simulate_batch_sizes, "--simulate-batch-sizes"),
                                parse_ints(cfg.simulate_context_lens, "--simulate-context-lens"), cfg.condition)
-    suffix = "" if cfg.condition == "none" else f"-{cfg.condition}"
+    suffix = ("" if cfg.condition == "none" else f"-{cfg.condition}") + (f"-{Path(cfg.draft_config).name}"
+                                                                      if cfg.draft_config else "")
     path = save_profile(profile, Path(cfg.out or output_dir("profiles")) / f"{profile['device']}{suffix}-simulated.json")
     print(f"SIMULATED cost profile of {profile['hardware_name']}: {path} (roofline model, not a measurement)")
     print_grid(profile["grid"], cfg.k_max)

@@ -44,6 +44,9 @@ class SimulatedReportConfig:
     """Largest k."""
     draft: str = "ngram:3"
     """Draft whose acceptance traces are replayed (profiles/traces-DRAFT.json)."""
+    draft_shape: str = ""
+    """The draft's cost shape the simulated profiles price (profiles/DEVICE-SHAPE-simulated.json, written by
+    profile_device.py --simulate DEVICE --draft-config configs/SHAPE); '' = prompt lookup's (no draft cost)."""
     profiles: str = "profiles"
     """Folder of the simulated profiles."""
     policies: str = "policies"
@@ -71,6 +74,24 @@ def best_static(profile: dict, traces, k_max: int, sizes: list[int], contexts: l
     return int(np.argmax(score))
 
 
+CONFIDENCE_GRID = [f"confidence:{p}:{k}" for p in (0.3, 0.5, 0.7) for k in (4, 8)]
+"""llama.cpp's p-min rule, the spellings the simulated report tunes over (the whole grid at once, on train traces)."""
+
+
+def best_confidence_rule(profile: dict, traces, k_max: int, sizes: list[int], contexts: list[int]) -> str:
+    """The p-min spelling with the best mean log speedup over the grid's cells on these (train) traces."""
+    cost, hardware = CostModel.from_profile(profile), profile_hardware(profile)
+    names = [n for n in CONFIDENCE_GRID if int(n.rsplit(":", 1)[1]) <= k_max]
+    score = dict.fromkeys(names, 0.0)
+    for b in sizes:
+        for c in contexts:
+            rows = replay_evaluate({n: parse_policy(n, k_max) for n in names}, traces, cost, k_max, hardware, b,
+                                   context_len=c)
+            for n in names:
+                score[n] += float(np.log(rows[n]["speedup"]))
+    return max(names, key=score.get)
+
+
 def oracle_speedup(traces, cost: CostModel, k_max: int, context: int) -> float:
     """The hindsight optimum at one row, each trace's context starting at `context`."""
     offsets = [max(0, context - len(t.prompt_ids)) for t in traces]
@@ -84,7 +105,7 @@ def simulated_main(argv: list[str] | None = None) -> int:
     train, test = split_traces(cfg, "train"), split_traces(cfg, cfg.split)
     results = {}
     for device in [d.strip() for d in cfg.devices.split(",") if d.strip()]:
-        path = Path(cfg.profiles) / f"{device}-simulated.json"
+        path = Path(cfg.profiles) / f"{device}{'-' + cfg.draft_shape if cfg.draft_shape else ''}-simulated.json"
         profile = load_profile(path)
         if not profile.get("simulated"):
             raise SpecPilotError(f"{path} is not a simulated profile")
@@ -94,6 +115,9 @@ def simulated_main(argv: list[str] | None = None) -> int:
                     "batch-table": BatchTableK.from_profile(profile, train, cfg.k_max, contexts),
                     "batch-context-table": BatchContextTableK.from_profile(profile, train, cfg.k_max, contexts),
                     "sglang-adaptive": parse_policy("sglang-adaptive", cfg.k_max)}
+        if any(c != 1.0 for t in train for cs in t.confidences for c in cs):  # a model draft: its confidence rule
+            name = best_confidence_rule(profile, train, cfg.k_max, sizes, contexts)
+            policies[f"p-min ({name})"] = parse_policy(name, cfg.k_max)
         folder = policy_dir(device, cfg.draft, cfg.policies)
         if (folder / "policy.json").exists():
             policies["learned"] = LearnedK.load(folder, allow_device_mismatch=True, draft=cfg.draft, replay=True)
@@ -119,7 +143,7 @@ def simulated_main(argv: list[str] | None = None) -> int:
     doc = {"provenance": {"commit": source_commit(), "policy_weights": {
                f"learned ({d})": r.get("weights") for d, r in results.items() if "weights" in r}},
            "simulated": True, "split": cfg.split, "batch_sizes": sizes, "context_lens": contexts,
-           "max_new_tokens": cfg.max_new_tokens, "draft": cfg.draft, "results": results}
+           "max_new_tokens": cfg.max_new_tokens, "draft": cfg.draft, "draft_shape": cfg.draft_shape, "results": results}
     report = Path(cfg.report)
     atomic_write_text(report.with_suffix(".json"), json.dumps(doc, indent=1))
     _plot(doc, report.with_suffix(".png"))
@@ -132,8 +156,10 @@ def _markdown(doc: dict, png: str, argv) -> str:
     sizes, contexts = doc["batch_sizes"], doc["context_lens"]
     lines = ["# SIMULATED GPU regime: k policies over batch size x context length", "",
              "**Simulated**: step costs from a roofline model of Llama-3.1-8B (bf16) on each chip's published numbers "
-             "(`env/simulate.py`, `scripts/profile_device.py --simulate`), acceptance from the embedded pair's n-gram "
-             f"traces recorded on the CPU ({doc['split']} split; the tables and the learned policy saw the train split). "
+             "(`env/simulate.py`, `scripts/profile_device.py --simulate`"
+             + (f", a drafted token priced as the `configs/{doc['draft_shape']}` shape" if doc.get("draft_shape") else "")
+             + f"), acceptance from the embedded pair's `{doc['draft']}` traces recorded on the CPU ({doc['split']} split; "
+             "the tables, the tuned rules and the learned policy saw the train split). "
              "Noise-free replay; speedup over plain decoding in each cell; each row's context starts at the cell's length.", "",
              provenance_line(doc["provenance"]), "",
              f"Regenerate with: `python scripts/simulated_report.py {' '.join(argv or sys.argv[1:])}`", ""]

@@ -122,3 +122,42 @@ def test_training_on_a_simulated_profile_needs_allow_simulated(tmp_path, a100):
         train_main(["--device", "a100", "--profile", str(path), "--no-track"])
     with pytest.raises(SpecPilotError, match="replay env only"):
         train_main(["--device", "a100", "--profile", str(path), "--allow-simulated", "--env", "real", "--no-track"])
+
+
+def test_the_simulated_report_replays_a_model_drafts_traces_with_its_cost_and_confidence_rule(tmp_path, monkeypatch):
+    """With `--draft-shape` the report prices a drafted token as that shape (an EAGLE-style head on the 8B target) and
+    adds the p-min rule tuned on the train traces when they carry the draft's confidences."""
+    from specpilot.bench.simulated_cli import simulated_main
+    from specpilot.env.oracle import save_traces
+
+    root = Path(__file__).resolve().parents[1]
+    rng = np.random.default_rng(0)
+
+    def trace(qid):
+        n = 30
+        runs = rng.integers(0, 9, n)
+        conf = [[0.9 if d < r else 0.2 for d in range(8)] for r in runs]
+        return Trace(qid, "c", list(range(20)), list(range(100, 100 + n)), [int(r) for r in runs], [8] * n,
+                     confidences=conf, entropies=[[0.3] * 8 for _ in range(n)])
+
+    traces = [trace(f"q{i}") for i in range(8)]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "profiles").mkdir()
+    save_traces(traces, tmp_path / "profiles" / "traces-default.json",
+                {"draft": "default", "max_new_tokens": 30, "splits": {t.question_id: "train" if i < 4 else "test"
+                                                                       for i, t in enumerate(traces)}})
+    shape = "llama-3.1-8b-eagle-head"
+    profile = simulate_profile("a100", str(root / "configs" / "llama-3.1-8b"), str(root / "configs" / shape), 8, [1, 8],
+                               [512, 4096])
+    assert profile["draft_s_per_token"][0] > 0
+    (tmp_path / "profiles" / f"a100-{shape}-simulated.json").write_text(json.dumps(profile))
+    assert simulated_main(["--devices", "a100", "--draft", "default", "--draft-shape", shape, "--batch-sizes", "1,8",
+                           "--context-lens", "512", "--max-new-tokens", "30", "--profiles", "profiles",
+                           "--policies", str(tmp_path / "none"), "--report", "r.md"]) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    names = doc["results"]["a100"]["policies"]
+    assert any(n.startswith("p-min (confidence:") for n in names)
+    cell = doc["results"]["a100"]["cells"]["1x512"]
+    rule = next(n for n in names if n.startswith("p-min"))
+    assert cell[rule] > max(cell[n] for n in names if n.startswith("static:"))  # confidence tells the run: it pays
+    assert shape in (tmp_path / "r.md").read_text()
