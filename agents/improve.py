@@ -65,13 +65,16 @@ def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, action: int, memo: di
 
 def hindsight_actions(q: np.ndarray, env: ReplayEnv) -> np.ndarray:
     """Q*(s, a) for each action of the env's table from the oracle's Q*(s, k) of its one row (`hindsight_q`): an
-    action's k, cut where its stop level stops the draft (`stop_depth`, from the row's trace)."""
+    action's k, cut where its stop level stops the draft (`stop_depth`, from the row's trace), plus the draft step it
+    ran before stopping, as the replay env prices it."""
     row = env.state.rows[0]
     at = (row.trace, row.length - row.prompt_len)
+    per_token = env.cost.step_costs(row.context_offset + row.prompt_len + at[1])[1]
     out = np.empty(len(env.actions))
     for a in range(len(env.actions)):
         k, stop = env.actions.decode(a)
-        out[a] = q[stop_depth(stop, [at], k) if stop is not None and k else k]
+        n, stopped = stop_depth(stop, [at], k) if stop is not None and k else (k, False)
+        out[a] = q[n] + (per_token if stopped else 0.0)
     return out
 
 

@@ -236,8 +236,9 @@ class ReplayEnv(gym.Env):
         batch = len(rows)
         asked, stop = self.actions.decode(action, self.stop)
         k = max(0, min(asked, state.remaining - 1))
+        stopped = False  # the draft ran one more step than it kept: the one whose token it stopped before
         if stop is not None and k:
-            k = stop_depth(stop, [(r.trace, r.length - r.prompt_len) for r in rows], k)
+            k, stopped = stop_depth(stop, [(r.trace, r.length - r.prompt_len) for r in rows], k)
         drafted_rows, accepted_rows, new_rows = [], [], []
         for r in rows:
             i = r.length - r.prompt_len
@@ -249,8 +250,9 @@ class ReplayEnv(gym.Env):
         table, draft_per_token = self.cost.step_costs(state.width, batch)  # what the step costs
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         noise *= self.speed
-        seconds = table[drafted] * self.shape[drafted] * noise
-        draft_s = min(draft_per_token * drafted * noise, seconds)
+        extra = draft_per_token * noise if stopped else 0.0
+        seconds = table[drafted] * self.shape[drafted] * noise + extra
+        draft_s = min(draft_per_token * drafted * noise + extra, seconds)
         first = rows[0].trace, rows[0].length - rows[0].prompt_len
         positions = [r.length - r.prompt_len for r in rows]  # each row's position before this step
         for r, accepted in zip(rows, accepted_rows):
@@ -284,10 +286,11 @@ class ReplayEnv(gym.Env):
         return self.observer.build(state), float(reward), state.done, False, info
 
 
-def stop_depth(stop: StopRule, rows: list[tuple[Trace, int]], k: int) -> int:
-    """How many tokens a batch's model draft proposes under `stop` when asked for k: it stops before depth d when
-    every row would (`StopRule.stops`) by its trace's draft probability and entropy there; a row whose trace has
-    no token at depth d counts as stopping. Exact for greedy traces (the drafts do not depend on the stop)."""
+def stop_depth(stop: StopRule, rows: list[tuple[Trace, int]], k: int) -> tuple[int, bool]:
+    """(tokens, stopped): how many tokens a batch's model draft proposes under `stop` when asked for k, and whether it
+    stopped early (then it ran one draft step more than it kept). It stops before depth d when every row would
+    (`StopRule.stops`) by its trace's draft probability and entropy there; a row whose trace has no token at depth d
+    counts as stopping. Exact for greedy traces (the drafts do not depend on the stop)."""
     for d in range(k):
         confidences, entropies = [], []
         for trace, i in rows:
@@ -298,8 +301,8 @@ def stop_depth(stop: StopRule, rows: list[tuple[Trace, int]], k: int) -> int:
                 confidences.append(-1.0)  # no token here: stops whatever the rule
                 entropies.append(math.inf)
         if stop.stops(confidences, entropies):
-            return d
-    return k
+            return d, True
+    return k, False
 
 
 def batch_means(per_row: list[tuple[list[list[float]], int]], drafted: int) -> list[float]:
