@@ -174,7 +174,9 @@ def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
         if hindsight is not None:
             q = hindsight_actions(hindsight[env.state.rows[0].length - env.state.rows[0].prompt_len], env)
         else:
-            q = np.array([_rollout_seconds(env, base, a, memo) for a in range(len(env.actions))])
+            rolled: dict[tuple[int, bool], float] = {}  # actions that draft alike step alike: one rollout each
+            q = np.array([rolled[e] if (e := env.draft_length(a)[1:]) in rolled else
+                          rolled.setdefault(e, _rollout_seconds(env, base, a, memo)) for a in range(len(env.actions))])
         obs.append(o)
         regret.append((q - q.min()) / env.credit.unit)
         batch.append(b)

@@ -228,17 +228,25 @@ class ReplayEnv(gym.Env):
             values = np.clip(values + self.hardware_noise * self.np_random.standard_normal(values.shape), 0.0, None)
         self.monitor.values = np.asarray(values, dtype=np.float32)
 
+    def draft_length(self, action) -> tuple[int, int, bool]:
+        """(k asked, tokens the draft will propose, whether it stops early) for this action in the current state: k
+        within the budget, cut where the action's (or `stop`'s) rule stops the draft. Two actions with the same
+        (tokens, stopped) take the same step (the warm start's rollouts run one of them)."""
+        state = self.state
+        asked, stop = self.actions.decode(action, self.stop)
+        k = max(0, min(asked, state.remaining - 1))
+        stopped = False  # the draft ran one more step than it kept: the one whose token it stopped before
+        if stop is not None and k:
+            k, stopped = stop_depth(stop, [(r.trace, r.length - r.prompt_len) for r in state.active_rows], k)
+        return asked, k, stopped
+
     def step(self, action):
         state = self.state
         if state is None or state.done:
             raise SpecPilotError("call reset() before step() (the episode has ended)")
         rows = state.active_rows
         batch = len(rows)
-        asked, stop = self.actions.decode(action, self.stop)
-        k = max(0, min(asked, state.remaining - 1))
-        stopped = False  # the draft ran one more step than it kept: the one whose token it stopped before
-        if stop is not None and k:
-            k, stopped = stop_depth(stop, [(r.trace, r.length - r.prompt_len) for r in rows], k)
+        asked, k, stopped = self.draft_length(action)
         drafted_rows, accepted_rows, new_rows = [], [], []
         for r in rows:
             i = r.length - r.prompt_len

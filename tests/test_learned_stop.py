@@ -103,3 +103,23 @@ def test_the_warm_start_learns_to_stop_where_confidence_predicts_acceptance():
     best_static = max(speed[f"static:{k}"] for k in range(K_MAX + 1))
     assert speed["with-stop"] > 1.02 * best_static  # (measured: 1.848 against static:2's 1.777)
     assert speed["with-stop"] > 1.05 * speed["k-only"]  # (1.676: the runs are independent, k alone cannot follow them)
+
+
+def test_the_warm_starts_labels_roll_out_one_action_per_distinct_draft():
+    """Actions that draft the same tokens (and stop alike) take the same step, so the labels roll out one of them;
+    the labels equal a rollout of every action."""
+    from specpilot.agents import improve
+
+    traces = [_trace("a", np.random.default_rng(3))]
+    improve._start_worker(StaticK(2), None, traces, _cost(), K_MAX, None, 40, (), (), 0.0, 0.0, 0, "rollout",
+                          tuple(LEVELS))
+    try:
+        _, regrets, _ = improve._label_episode((0, 1, [0]))
+    finally:
+        improve._WORKER.clear()
+    env = ReplayEnv(traces, _cost(), k_max=K_MAX, noise=0.0, max_new_tokens=40, stop_levels=LEVELS)
+    env.reset(seed=0, options={"trace_indices": [0], "context_len": 0})
+    memo = {id(traces[0]): traces[0], id(traces): traces, id(env.cost): env.cost}
+    q = np.array([improve._rollout_seconds(env, StaticK(2), a, memo) for a in range(len(env.actions))])
+    assert np.allclose(regrets[0], (q - q.min()) / env.credit.unit)
+    assert len({env.draft_length(a)[1:] for a in range(len(env.actions))}) < len(env.actions)
