@@ -25,8 +25,13 @@ class Recorder(LengthPolicy):
     """Wraps a policy and keeps every (observation, k) it was asked for."""
 
     def __init__(self, policy: LengthPolicy):
-        self.policy, self.name, self.k_max, self.stop = policy, policy.name, policy.k_max, policy.stop
+        self.policy, self.name, self.k_max = policy, policy.name, policy.k_max
         self.seen: list[tuple[np.ndarray, int]] = []
+
+    @property
+    def stop(self):
+        """The wrapped policy's stop rule as it stands (a learned or adaptive policy sets it as it decides)."""
+        return self.policy.stop
 
     def reset(self) -> None:
         self.policy.reset()

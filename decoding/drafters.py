@@ -2,8 +2,10 @@
 
 A drafter sees the whole confirmed context each step and proposes up to k tokens; after verification
 the loop tells it how long a prefix of the new context it may keep (`rollback`). A drafter that
-reads the target's hidden states (EAGLE-style) sets `needs_hidden = True` and receives the target's
-last-layer hidden states of the newly confirmed positions in `propose(..., target_hidden=...)`.
+reads the target's hidden states (EAGLE-style) sets `needs_hidden = True` and receives the target's hidden
+states at the last confirmed position in `propose(..., target_hidden=...)`: the layers it lists in `hidden_layers`,
+concatenated (`hidden_features`; the last layer by default). A model draft may stop inside its draft where a
+`StopRule` says so (its top-1 probability or entropy), which the length policy sets per step.
 """
 from __future__ import annotations
 
