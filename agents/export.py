@@ -161,14 +161,24 @@ def keep_previous(out: Path) -> None:
 
 
 def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: str, k_max: int, provenance: dict,
-                  check_obs: np.ndarray | None = None, activation: str = "tanh", stop_levels=(0.0,)) -> Path:
-    """Write the policy; it is committed only once LearnedK picks SB3's actions on a batch of observations."""
+                  check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
+    """Write the policy; it is committed only once LearnedK picks SB3's actions on a batch of observations. Its
+    actions are the env's (k, or (k, stop level) pairs: `ActionTable`), read from the env it trained on."""
+    stop_levels = env_actions(venv).stop_levels
     layers = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy()) for layer in _linear_layers(model)]
     normalization = {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
                      "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs)}
     return write_policy(out_dir, layers, normalization, activation, k_max, device, hardware_name, model.num_timesteps,
                         provenance, check=lambda meta_path: check_export(model, venv, meta_path, device, check_obs),
                         stop_levels=stop_levels)
+
+
+def env_actions(venv) -> ActionTable:
+    """The action table of the envs a model trained on (a vectorised, possibly normalised env of specpilot envs)."""
+    table = venv.get_attr("actions", indices=[0])[0]
+    if not isinstance(table, ActionTable):
+        raise SpecPilotError(f"the training env has no action table (got {type(table).__name__})")
+    return table
 
 
 def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | None = None, n: int = 512) -> float:

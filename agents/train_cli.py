@@ -721,8 +721,7 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
             if selecting:  # checked against SB3's actions, as every export
                 export_policy(model, venv, candidates / name, run.device_key, run.hardware_name, run.k_max,
                               {**provenance, "candidate": name}, activation=str(hp["activation"]),
-                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
-                              stop_levels=run.stop_levels)
+                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None)
 
         model, venv = train(phases, hp, member_run, seed=seed, resume=cfg.resume, track=cfg.track,
                             wandb_project=cfg.wandb_project, run_config=run_config, progress=cfg.progress, init=init,
@@ -732,7 +731,7 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
             return select_phase(run, phase_candidates(candidates, phases), member_out, provenance)
         path = export_policy(model, venv, member_out, run.device_key, run.hardware_name, run.k_max, provenance,
                              check_obs=venv.get_original_obs() if hasattr(venv, "get_original_obs") else None,
-                             activation=str(hp["activation"]), stop_levels=run.stop_levels)
+                             activation=str(hp["activation"]))
         venv.close()  # its envs' processes and background loads
         return path, "checked against SB3's actions"
     if init is not None:  # the warm start alone (no PPO steps asked for)

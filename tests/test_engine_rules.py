@@ -131,7 +131,7 @@ def test_tune_picks_each_familys_best_on_the_train_split_and_best_rule_replays_i
     best = doc["best_rule"]
     assert doc["speedups"]["1"][best["1"]] == max(doc["speedups"]["1"].values())
     assert doc["speedups"]["16"][best["16"]] == max(doc["speedups"]["16"].values())
-    assert set(doc["best"]) == {"static", "heuristic", "batch-table", "match", "sglang-adaptive", "trtllm"}
+    assert set(doc["best"]) == {"static", "heuristic", "batch-table", "match", "sglang-adaptive", "trtllm", "bandit-ucb"}
     # the benchmark reads the tuned rules: on the train split's replay it reproduces the tuned speedups
     code = benchmark_main(["--device", "cpu", "--draft", "ngram:3", "--split", "all", "--replay", "--profile",
                            str(profile), "--traces", str(traces), "--rules", str(rules), "--batch-sizes", "1",

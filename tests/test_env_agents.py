@@ -179,8 +179,9 @@ def test_export_round_trip_matches_sb3(trained):
     rng = np.random.default_rng(1)
     obs = (norm.obs_rms.mean + np.sqrt(norm.obs_rms.var) * rng.standard_normal((300, len(FEATURES)))).astype(np.float32)
     sb3, _ = model.predict(norm.normalize_obs(obs), deterministic=True)
-    ours = [policy.choose_k(o) for o in obs]
-    assert list(sb3) == ours
+    ours = [(policy.choose_k(o), policy.stop) for o in obs]
+    assert [policy.actions.decode(a) for a in sb3] == ours
+    assert len(policy.actions) == (4 + 1) * 4  # a model draft: k paired with the YAML's four stop levels
 
 
 def test_features_constant_in_training_are_pinned(trained):
@@ -354,7 +355,8 @@ def _export_again(folder, check=None):
     old = LearnedK.load(folder)
     layers = [(wt.T * 2.0, b * 2.0) for wt, b in old.layers]  # a different policy, same shapes
     norm = {k: old.meta["normalization"][k] for k in ("mean", "var", "epsilon", "clip")}
-    return write_policy(folder, layers, norm, "tanh", old.k_max, "cpu", "test", 1, {}, check=check)
+    return write_policy(folder, layers, norm, "tanh", old.k_max, "cpu", "test", 1, {}, check=check,
+                        stop_levels=old.actions.stop_levels)
 
 
 def test_export_failed_check_leaves_the_previous_policy(trained, tmp_path):
