@@ -116,3 +116,40 @@ def test_traces_of_other_draft_head_weights_are_stale(tmp_path, tiny_pair):
     assert again.weights_id != draft.weights_id
     assert "draft weights" in stale_reason(traces, target, "traces", {}, again)
     assert stale_reason(traces, target, "traces", {}, SimpleNamespace(name="ngram:3")) is None  # no weights of its own
+
+
+def test_the_chain_for_a_draft_head_trains_k_with_stop_levels(tiny_model_dirs, tiny_pair, tmp_path, capsys, monkeypatch):
+    """`--draft HEAD_FOLDER`: the chain records the head's traces (its weights' hash with them), tunes the rules that
+    read its confidence too, and the warm start, PPO and export act on (k, stop level) pairs."""
+    from specpilot.agents.train_cli import train_main
+    from specpilot.decoding.head_draft import save_head
+    from specpilot.decoding.models import load_target
+    from test_head_draft import random_head
+
+    target = load_target(tiny_model_dirs["target"], dtype="float32", device="cpu")
+    head = save_head(random_head(target.model, list(range(target.model.config.vocab_size))), tmp_path / "head")
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"question_id": f"p{i}", "category": "c", "split": "train" if i < 6 else "test", "turns": [TEXT[i:] + " again:"]}
+            for i in range(8)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "profiles").mkdir()
+    monkeypatch.chdir(tmp_path)
+    hp = {"k_max": 4, "max_new_tokens": 12, "batch_sizes": "[1,2]", "real_batch_sizes": "[1]", "rollout_rounds": 1,
+          "rollout_episodes": 4, "rollout_epochs": 5, "replay_timesteps": 64, "timesteps": 32, "n_steps": 32,
+          "batch_size": 16, "n_epochs": 1, "background_loads": "[none]", "condition_loads": "[]", "select_holdout": 0.0,
+          "seeds": "[0]"}
+    args = ["--device", "cpu", "--target", tiny_model_dirs["target"], "--draft", str(head), "--prompts", str(prompts),
+            "--out", str(tmp_path / "policies"), "--eval-per-category", "0", "--no-track", "--no-progress"]
+    for key, value in hp.items():
+        args += ["--hp", f"{key}={value}"]
+    assert train_main(args) == 0
+    policy = next((tmp_path / "policies").rglob("policy.json"))
+    meta = json.loads(policy.read_text())
+    assert meta["action_to_stop"] == [v for v in (0.0, 0.3, 0.5, 0.7) for _ in range(5)]
+    rules = json.loads((policy.parent / "rules.json").read_text())
+    assert {"p-min", "transformers-roc", "svip", "adaedl", "bandit-ucb"} <= set(rules["best"])
+    traces = json.loads(next((tmp_path / "profiles").glob("traces-*.json")).read_text())
+    assert len(traces["meta"]["draft_weights"]) == 16
+    assert any(c != 1.0 for t in traces["traces"] for cs in t["confidences"] for c in cs)
+    loaded = LearnedK.load(policy, target=tiny_model_dirs["target"], draft=meta["draft"])
+    assert len(loaded.actions) == 20
