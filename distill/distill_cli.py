@@ -16,6 +16,7 @@ Stages, each resumable from the work folder:
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -43,6 +44,7 @@ from specpilot.decoding.head_draft import (
 )
 from specpilot.decoding.loop import speculative_step, start
 from specpilot.decoding.models import cache_dir, load_target
+from specpilot.decoding.paths import atomic_write_text
 from specpilot.decoding.prompts import Prompt, load_prompts
 from specpilot.decoding.sampling import Sampling
 from specpilot.decoding.synth_prompts import synthetic_prompts
@@ -547,6 +549,21 @@ def report_lines(trained: dict) -> list[str]:
     return lines
 
 
+SHIPPED_ANSWERS = Path(__file__).parent / "data" / "smollm2-135m-instruct-answers.jsonl.gz"
+"""The embedded target's greedy answers (192 tokens at most) to 1,100 train and synthetic prompts, as the distillation
+generated them: a new work folder starts from them instead of regenerating (about 35 minutes on 2 cores)."""
+
+
+def seed_answers(cfg: DistillConfig, path: Path) -> bool:
+    """Start an empty work folder's answers from the shipped ones (embedded target only); True when it did."""
+    if path.exists() or cfg.target != "embedded" or not SHIPPED_ANSWERS.is_file():
+        return False
+    with gzip.open(SHIPPED_ANSWERS, "rt") as source:
+        atomic_write_text(path, source.read())
+    _say(f"answers seeded from {SHIPPED_ANSWERS.name} (the embedded target's, as generated before)")
+    return True
+
+
 def distill(cfg: DistillConfig) -> Path:
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "distill" / out.name
@@ -554,6 +571,7 @@ def distill(cfg: DistillConfig) -> Path:
     target = load_target(cfg.target, dtype="float32" if cfg.device in ("auto", "cpu") else "auto", device=cfg.device)
     prompts = collect_prompts(cfg)
     _say(f"{len(prompts)} prompts; work folder {work}")
+    seed_answers(cfg, work / "generations.jsonl")
     rows = generate_answers(target, prompts, work / "generations.jsonl", cfg.max_new_tokens, cfg.gen_batch,
                             cfg.max_prompt_tokens, cfg.progress, cfg.max_answers, cfg.seed)
     if not rows:

@@ -153,3 +153,33 @@ def test_killed_distillation_resumes_to_the_same_head(tiny_model_dirs, tmp_path,
     assert [h["step"] for h in history] == list(range(1, 31))
     a, b = load_head(whole).state_dict(), load_head(resumed).state_dict()
     assert all(torch.allclose(a[name], b[name]) for name in a)
+
+
+def test_a_new_work_folder_starts_from_the_shipped_answers(tmp_path, monkeypatch):
+    """The embedded target's answers ship gzipped (the slow stage): an empty work folder starts from them, one that has
+    answers keeps its own, and another target generates its own."""
+    import gzip
+
+    shipped = tmp_path / "answers.jsonl.gz"
+    with gzip.open(shipped, "wt") as sink:
+        sink.write(json.dumps({"id": "q1", "prompt_ids": [1, 2], "answer_ids": [3, 0]}) + "\n")
+    monkeypatch.setattr(distill_mod, "SHIPPED_ANSWERS", shipped)
+    path = tmp_path / "work" / "generations.jsonl"
+    path.parent.mkdir()
+    assert not distill_mod.seed_answers(DistillConfig(target="other"), path) and not path.exists()
+    assert distill_mod.seed_answers(DistillConfig(), path)
+    assert json.loads(path.read_text())["answer_ids"] == [3, 0]
+    path.write_text("")
+    assert not distill_mod.seed_answers(DistillConfig(), path) and path.read_text() == ""
+
+
+def test_the_shipped_answers_are_the_embedded_targets_and_never_a_test_prompts():
+    import gzip
+
+    from specpilot.decoding.prompts import load_prompts
+
+    rows = [json.loads(line) for line in gzip.open(distill_mod.Path(distill_mod.__file__).parent / "data" /
+                                                   "smollm2-135m-instruct-answers.jsonl.gz", "rt")]
+    assert len(rows) >= 1000
+    held = {p.question_id for split in ("test", "ood") for p in load_prompts(split=split)}
+    assert not held & {r["id"] for r in rows}
