@@ -68,7 +68,7 @@ def grid(k_max: int, ngram: bool) -> dict[str, list[str]]:
     read the draft's confidence (llama.cpp's p-min, transformers' self-tuning threshold, SVIP, AdaEDL) are tuned
     for a model draft only: prompt lookup's confidence is always 1."""
     ks = range(1, k_max + 1)
-    long = sorted({k for k in (3, 4, 6, 8) if k <= k_max} | {k_max})
+    caps = sorted({k for k in (2, 3, 4, 6, 8) if k <= k_max} | {k_max})  # the largest k a stop rule may draft
     cands = [c for c in ("1/3/7", "1/2/4", "2/4/8", "1/4/8", "1/2/3/4/5/6/7/8") if max(map(int, c.split("/"))) <= k_max]
     return {
         "static": [f"static:{k}" for k in range(k_max + 1)],  # static:0 = plain decoding (a table may say 0)
@@ -78,10 +78,10 @@ def grid(k_max: int, ngram: bool) -> dict[str, list[str]]:
         "sglang-adaptive": [f"sglang-adaptive:{c}:{a}" for c in cands for a in (0.2, 0.5)],
         "trtllm": [f"trtllm:{k}" + (f":{w}:{t}" if w else "") for k in range(k_max + 1) for w, t in
                    [(0, 0)] + [(w, t) for w in (4, 16) for t in (0.1, 0.3, 0.5)]],
-        "p-min": [] if ngram else [f"confidence:{p}:{k}" for p in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8) for k in long],
-        "transformers-roc": [] if ngram else [f"transformers-roc:{t}:{k}" for t in (0.2, 0.4, 0.6) for k in long],
-        "svip": [] if ngram else [f"entropy:{h}:{k}" for h in (0.5, 1, 2, 3) for k in long],
-        "adaedl": [] if ngram else [f"adaedl:{g}:{lam}:{k}" for g in (1, 2) for lam in (0.3, 0.5, 0.7) for k in long],
+        "p-min": [] if ngram else [f"confidence:{p}:{k}" for p in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8) for k in caps],
+        "transformers-roc": [] if ngram else [f"transformers-roc:{t}:{k}" for t in (0.2, 0.4, 0.6) for k in caps],
+        "svip": [] if ngram else [f"entropy:{h}:{k}" for h in (0.5, 1, 2, 3) for k in caps],
+        "adaedl": [] if ngram else [f"adaedl:{g}:{lam}:{k}" for g in (1, 2) for lam in (0.3, 0.5, 0.7) for k in caps],
         "bandit-ucb": [f"bandit-ucb:{'/'.join(map(str, arms))}:{c}" for arms in ([0, 1, 2, 3, 4], list(range(k_max + 1)))
                        for c in (0.1, 0.3) if max(arms) <= k_max],
     }

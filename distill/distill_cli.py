@@ -534,6 +534,37 @@ def measure_cost(target, drafter, prompt_ids: list[int], repeats: int = 30, k: i
             "draft_token_over_plain_step": round(draft_ms / plain_ms, 4), "context": len(prompt_ids)}
 
 
+def plot_history(history: list[dict], path: Path) -> Path | None:
+    """The held-out top-1 agreement by depth and tokens accepted per step at k = 4 and 8 over the training steps (a
+    PNG beside the history); None without held-out points or matplotlib."""
+    points = [h for h in history if "val/top1_step1" in h]
+    if not points:
+        return None
+    try:
+        import matplotlib  # slow to import: only here
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [h["step"] for h in points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for depth in (1, 2, 4, 8):
+        if f"val/top1_step{depth}" in points[-1]:
+            left.plot(steps, [h[f"val/top1_step{depth}"] for h in points], label=f"depth {depth}")
+    left.set(xlabel="training step", ylabel="top-1 agreement (held out)", title="draft head: agreement with the target")
+    left.legend(fontsize=8)
+    for k in (2, 4, 8):
+        if f"val/accepted_k{k}" in points[-1]:
+            right.plot(steps, [h[f"val/accepted_k{k}"] for h in points], label=f"k = {k}")
+    right.set(xlabel="training step", ylabel="tokens accepted per step (held out)", title="greedy verify")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def report_lines(trained: dict) -> list[str]:
     """The held-out report `distill` prints: top-1 agreement by depth, accepted tokens per step at k = 1..8, cost."""
     depth = [trained[f"val/top1_step{d}"] for d in range(1, EVAL_DEPTH + 1) if f"val/top1_step{d}" in trained]
@@ -601,6 +632,9 @@ def distill(cfg: DistillConfig) -> Path:
             run.log({f"cost/{k}": v for k, v in head.cfg.trained["cost"].items()})
         save_head(head, out)
         (work / "history.json").write_text(json.dumps(result["history"]))
+        plotted = plot_history(result["history"], work / "history.png")
+        if plotted:
+            _say(f"training curve: {plotted}")
     finally:
         if run is not None:
             run.finish()

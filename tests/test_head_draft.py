@@ -120,6 +120,7 @@ def test_short_distillation_learns_and_decodes_losslessly(tiny_model_dirs, tmp_p
     assert accepted == sorted(accepted) and accepted[-1] <= 8  # a longer draft never keeps fewer tokens
     assert accepted[0] == pytest.approx(trained["val/top1_step1"], abs=1e-3)  # k = 1 keeps its depth-1 agreement
     assert trained["cost"]["draft_token_ms"] > 0 and trained["cost"]["plain_step_ms"] > 0
+    assert (tmp_path / "work-head" / "history.png").stat().st_size > 0  # the training curve
 
 
 def test_a_head_on_the_last_layer_alone_and_greedy_labels_still_trains(tiny_model_dirs, tmp_path):
