@@ -278,7 +278,7 @@ def write_traces(cfg, target, draft, out: Path) -> Path:
     kept = []
     if trace_path.exists():
         old, old_meta = load_traces(trace_path)
-        if (all(old_meta.get(key) == meta.get(key) for key in ("draft", "k_max", "max_new_tokens", "seed"))
+        if (all(old_meta.get(key) == meta.get(key) for key in ("draft", "draft_weights", "k_max", "max_new_tokens", "seed"))
                 and trace_dtype(old_meta) == meta["dtype"] and trace_temperature(old_meta) == cfg.temperature
                 and model_identity(str(old_meta.get("target") or target.name)) == model_identity(target.name)):
             wanted = {p.question_id for p in prompts}
