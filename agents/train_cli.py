@@ -509,6 +509,14 @@ def resolve_run(cfg: TrainConfig) -> Run:
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
     draft = load_draft(cfg.draft, target, cfg.dtype)
+    seen = getattr(draft, "distilled_on", None)  # a trained head: never tune on the prompts it learned from
+    if seen is not None:
+        kept = [p for p in train_prompts if not seen(p.question_id, p.category)]
+        if not kept:
+            raise SpecPilotError(f"draft '{draft.name}' was distilled on every train prompt: none is left to train on")
+        print(f"specpilot: {len(train_prompts) - len(kept)} of {len(train_prompts)} train prompts left out: the draft "
+              "learned from them (its distillation's answers, or its synthetic generator)", file=sys.stderr)
+        train_prompts = kept
     target_name = target.name if simulated is None else None  # a simulated chip replays the embedded pair's traces
     fresh, own_profile = False, cfg.profile is None
     if cfg.env == "auto" and simulated is None:

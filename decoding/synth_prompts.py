@@ -137,3 +137,9 @@ def _math_problem(rng: random.Random) -> str:
         f"Tom has {a} apples and gives away {min(a - 1, b)}. How many are left?",
         f"What is the sum of the numbers from 1 to {a}?",
     ))
+
+
+def is_synthetic(question_id: str, category: str) -> bool:
+    """Whether a prompt came from `synthetic_prompts` (its own ids, or the `synth_` lines of prompts.jsonl's train split
+    that decoding/data/make_extra_train_prompts.py drew from it with another seed)."""
+    return question_id.startswith("synthetic-") or category.startswith("synth_")

@@ -626,6 +626,8 @@ def distill(cfg: DistillConfig) -> Path:
     try:
         head, result = train_head(cfg, target, data, vocab_ids, work, run, layers=tuple(layers))
         head.cfg.trained["vocab_coverage"] = round(coverage, 4)
+        # which prompts' answers it learned from: a policy for this head must not be tuned on them (head_draft.distilled_on)
+        head.cfg.trained["prompt_ids"] = sorted({str(r["id"]) for r in rows})
         probe = rows[0]["prompt_ids"] + rows[0]["answer_ids"][:32]
         head.cfg.trained["cost"] = measure_cost(target, HeadDrafter(head, target.model), probe)
         if run is not None:

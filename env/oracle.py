@@ -28,6 +28,7 @@ import torch
 from specpilot.decoding.drafters import NgramDrafter, hidden_features
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import counters_by_name
+from specpilot.decoding.head_draft import head_config_of
 from specpilot.decoding.paths import atomic_write_text, read_json_file
 from specpilot.decoding.loop import generate
 from specpilot.decoding.policies import LengthPolicy, NoSpeculation
@@ -132,7 +133,8 @@ def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0,
                       temperature: float | None = None, target_name: str | None = None) -> tuple[list[Trace], dict]:
     """The traces at `path`, checked to be this draft's (and, with `target_name`, this target's: acceptance is a
     property of the pair), to hold at least `min_tokens` per prompt and, unless `temperature` is None, to be
-    recorded at that temperature (0: greedy)."""
+    recorded at that temperature (0: greedy). The prompts a trained head learned from are marked as split
+    `draft-train` in the returned meta, so that nothing is tuned on them."""
     traces, meta = load_traces(path)
     if meta.get("draft") != draft_name:
         raise SpecPilotError(f"traces {path} were recorded with draft '{meta.get('draft')}', not '{draft_name}'")
@@ -145,6 +147,13 @@ def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0,
     if temperature is not None and trace_temperature(meta) != temperature:
         raise SpecPilotError(f"traces {path} were recorded at temperature {trace_temperature(meta):g}, not {temperature:g} "
                              "(scripts/profile_device.py --no-costs --temperature T records them)")
+    head = head_config_of(draft_name)
+    if head is not None:  # the prompts a trained head learned from are no one's train split (HeadConfig.distilled_on)
+        splits = dict(meta.get("splits") or {})
+        for t in traces:
+            if splits.get(t.question_id, "train") == "train" and head.distilled_on(t.question_id, t.category):
+                splits[t.question_id] = "draft-train"
+        meta = {**meta, "splits": splits}
     return traces, meta
 
 
@@ -152,6 +161,8 @@ def train_traces(traces: list[Trace], meta: dict) -> list[Trace]:
     """The traces of train-split prompts (all of them when the file does not record splits)."""
     splits = meta.get("splits") or {}
     kept = [t for t in traces if splits.get(t.question_id, "train") == "train"]
+    if not kept and "draft-train" in splits.values():
+        raise SpecPilotError(f"the draft '{meta.get('draft')}' learned from every train-split trace: none is left to tune on")
     return kept or traces
 
 

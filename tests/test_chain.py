@@ -127,10 +127,12 @@ def test_the_chain_for_a_draft_head_trains_k_with_stop_levels(tiny_model_dirs, t
     from test_head_draft import random_head
 
     target = load_target(tiny_model_dirs["target"], dtype="float32", device="cpu")
-    head = save_head(random_head(target.model, list(range(target.model.config.vocab_size))), tmp_path / "head")
+    made = random_head(target.model, list(range(target.model.config.vocab_size)))
+    made.cfg.trained = {"prompt_ids": ["p0"]}  # the head learned from p0's answer: the chain must leave it out
+    head = save_head(made, tmp_path / "head")
     prompts = tmp_path / "prompts.jsonl"
-    rows = [{"question_id": f"p{i}", "category": "c", "split": "train" if i < 6 else "test", "turns": [TEXT[i:] + " again:"]}
-            for i in range(8)]
+    rows = [{"question_id": f"p{i}", "category": "c", "split": "train" if i < 7 else "test", "turns": [TEXT[i:] + " again:"]}
+            for i in range(9)]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (tmp_path / "profiles").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -143,11 +145,13 @@ def test_the_chain_for_a_draft_head_trains_k_with_stop_levels(tiny_model_dirs, t
     for key, value in hp.items():
         args += ["--hp", f"{key}={value}"]
     assert train_main(args) == 0
+    assert "1 of 7 train prompts left out: the draft learned from them" in capsys.readouterr().err
     policy = next((tmp_path / "policies").rglob("policy.json"))
     meta = json.loads(policy.read_text())
     assert meta["action_to_stop"] == [v for v in (0.0, 0.3, 0.5, 0.7) for _ in range(5)]
     rules = json.loads((policy.parent / "rules.json").read_text())
     assert {"p-min", "transformers-roc", "svip", "adaedl", "bandit-ucb"} <= set(rules["best"])
+    assert rules["traces"] == 6  # the train split's seven prompts but p0
     traces = json.loads(next((tmp_path / "profiles").glob("traces-*.json")).read_text())
     assert len(traces["meta"]["draft_weights"]) == 16
     assert any(c != 1.0 for t in traces["traces"] for cs in t["confidences"] for c in cs)

@@ -1,6 +1,7 @@
 """The trained draft head: lossless decoding with it, distillation learns, a killed run resumes exactly."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -121,6 +122,8 @@ def test_short_distillation_learns_and_decodes_losslessly(tiny_model_dirs, tmp_p
     assert accepted[0] == pytest.approx(trained["val/top1_step1"], abs=1e-3)  # k = 1 keeps its depth-1 agreement
     assert trained["cost"]["draft_token_ms"] > 0 and trained["cost"]["plain_step_ms"] > 0
     assert (tmp_path / "work-head" / "history.png").stat().st_size > 0  # the training curve
+    answered = {json.loads(line)["id"] for line in (tmp_path / "work-head" / "generations.jsonl").read_text().splitlines()}
+    assert answered and trained["prompt_ids"] == sorted(answered)  # what a policy for it must not be tuned on
 
 
 def test_a_head_on_the_last_layer_alone_and_greedy_labels_still_trains(tiny_model_dirs, tmp_path):
@@ -184,3 +187,50 @@ def test_the_shipped_answers_are_the_embedded_targets_and_never_a_test_prompts()
     assert len(rows) >= 1000
     held = {p.question_id for split in ("test", "ood") for p in load_prompts(split=split)}
     assert not held & {r["id"] for r in rows}
+
+
+def test_traces_of_prompts_a_head_learned_from_are_nobodys_train_split(tiny_pair, tmp_path):
+    """The prompts whose answers a head was distilled on, and those of the synthetic generator it drew from, are
+    marked `draft-train` when its traces load: no rule or policy is tuned on them (they flatter the head)."""
+    from specpilot.decoding.head_draft import head_config_of, load_head_config, save_head
+    from specpilot.env.oracle import load_draft_traces, train_traces
+
+    model, _ = tiny_pair
+    made = random_head(model, list(range(64)))
+    made.cfg.trained = {"prompt_ids": ["qa-01"], "config": {"synthetic_prompts": 10}}
+    folder = save_head(made, tmp_path / "head")
+    cfg = load_head_config(folder)
+    assert cfg.distilled_on("qa-01", "qa") and not cfg.distilled_on("qa-02", "qa")
+    assert cfg.distilled_on("synth_synthetic-qa-0003", "synth_qa") and cfg.distilled_on("synthetic-qa-0003", "qa")
+    assert head_config_of("ngram:3") is None and head_config_of(str(folder)).trained == cfg.trained
+
+    def trace(qid, category):
+        return {"question_id": qid, "category": category, "prompt_ids": [1], "output_ids": [2], "matches": [0],
+                "available": [1]}
+
+    rows = [trace("qa-01", "qa"), trace("qa-02", "qa"), trace("synth_synthetic-qa-0003", "synth_qa"), trace("qa-09", "qa")]
+    splits = {"qa-01": "train", "qa-02": "train", "synth_synthetic-qa-0003": "train", "qa-09": "test"}
+    path = tmp_path / "traces.json"
+    path.write_text(json.dumps({"meta": {"draft": str(folder), "k_max": 1, "max_new_tokens": 1, "splits": splits},
+                                "traces": rows}))
+    traces, meta = load_draft_traces(path, str(folder))
+    assert [t.question_id for t in train_traces(traces, meta)] == ["qa-02"]
+    assert meta["splits"]["qa-09"] == "test"  # other splits untouched
+    made.cfg.trained = {}  # a head that records nothing it learned from: the whole train split stays
+    save_head(made, folder)
+    traces, meta = load_draft_traces(path, str(folder))
+    assert len(train_traces(traces, meta)) == 3
+    made.cfg.trained = {"prompt_ids": ["qa-01", "qa-02"], "config": {"synthetic_prompts": 10}}
+    save_head(made, folder)
+    traces, meta = load_draft_traces(path, str(folder))
+    with pytest.raises(SpecPilotError, match="learned from every train-split trace"):
+        train_traces(traces, meta)
+
+
+def test_the_shipped_head_records_the_prompts_it_learned_from():
+    from specpilot.decoding.head_draft import default_draft_folder, load_head_config
+
+    rows = [json.loads(line) for line in gzip.open(distill_mod.Path(distill_mod.__file__).parent / "data" /
+                                                   "smollm2-135m-instruct-answers.jsonl.gz", "rt")]
+    cfg = load_head_config(default_draft_folder())
+    assert cfg.trained["prompt_ids"] == sorted(r["id"] for r in rows)
