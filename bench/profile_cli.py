@@ -195,8 +195,9 @@ def write_profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_nam
                     "draft": getattr(draft, "name", None), "draft_weights": getattr(draft, "weights_id", None) or None,
                     "dtype": str(target.dtype),
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})
-    # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json
-    stem = (device_key if cfg.draft == "default" or cfg.draft_config or cfg.target_config
+    # the default draft's profile is DEVICE.json; another draft's (its own draft cost) DEVICE-DRAFT.json; a profile
+    # beside a load always names its pair (decoding.paths.load_profile_path, where the chain looks for it)
+    stem = (device_key if (cfg.draft == "default" and cfg.background_load == "none") or cfg.draft_config or cfg.target_config
             else f"{device_key}-{pair_name(draft.name, target.name)}")
     if cfg.background_load != "none":
         stem += f"-load-{cfg.background_load}"

@@ -157,3 +157,26 @@ def test_the_chain_for_a_draft_head_trains_k_with_stop_levels(tiny_model_dirs, t
     assert any(c != 1.0 for t in traces["traces"] for cs in t["confidences"] for c in cs)
     loaded = LearnedK.load(policy, target=tiny_model_dirs["target"], draft=meta["draft"])
     assert len(loaded.actions) == 20
+
+
+
+def test_the_default_drafts_profile_beside_a_load_is_written_where_the_chain_looks(tiny_pair, tmp_path):
+    """The default draft's own profile is DEVICE.json, but one beside a load names its pair, as `load_profile_path`
+    (the chain's replay conditions) expects: DEVICE-PAIR-load-L.json."""
+    from specpilot.bench.profile_cli import ProfileConfig, write_profile
+    from specpilot.decoding.head_draft import HeadDrafter
+    from specpilot.decoding.paths import load_profile_path
+    from conftest import tiny_target
+    from test_head_draft import random_head
+
+    model, _ = tiny_pair
+    target = tiny_target(model)
+    draft = HeadDrafter(random_head(model, list(range(64))), model, name="default")
+    cfg = ProfileConfig(device="cpu", draft="default", k_max=1, context_lens="16", batch_sizes="", repeats=1,
+                        background_load="compute", progress=False, out=str(tmp_path))
+    path = write_profile(cfg, target, draft, [5, 9, 13], [16], "cpu-test-1c", "test cpu", tmp_path)
+    assert path.name == load_profile_path("cpu-test-1c", "default", "compute", target.name).name
+    idle = write_profile(ProfileConfig(device="cpu", draft="default", k_max=1, context_lens="16", batch_sizes="",
+                                       repeats=1, progress=False, out=str(tmp_path)), target, draft, [5, 9, 13], [16],
+                         "cpu-test-1c", "test cpu", tmp_path)
+    assert idle.name == "cpu-test-1c.json"
