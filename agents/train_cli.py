@@ -15,7 +15,7 @@ from specpilot.bench.benchmark import format_table, run_benchmark, summarize
 from specpilot.bench.paired_cli import paired_ratios
 from specpilot.bench.tune_cli import rules_policy, tune_rules
 from specpilot.decoding.config import at_least, parse_config, parse_ints, warn
-from specpilot.decoding.drafters import NgramDrafter
+from specpilot.decoding.drafters import reports_confidence
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import gpu_names, resolve, shared_monitor
 from specpilot.decoding.learned import LearnedK
@@ -220,7 +220,7 @@ class Run:
     def stop_levels(self) -> list[float]:
         """The stop levels the actions pair with k (YAML `stop_levels`; `decoding.policies.ActionTable`) for a draft
         that reports its confidence; prompt lookup's is always 1, so its actions are k alone."""
-        if isinstance(self.draft, NgramDrafter):
+        if not reports_confidence(self.draft):
             return [0.0]
         return [float(v) for v in self.hp.get("stop_levels") or [0.0]]
 

@@ -29,6 +29,7 @@ from specpilot.env.oracle import (
     load_draft_traces,
     load_profile,
     profile_hardware,
+    traces_report_confidence,
     train_traces,
     truncate,
 )
@@ -63,10 +64,12 @@ class TuneConfig(ReplayInputs):
     """Show a progress bar."""
 
 
-def grid(k_max: int, ngram: bool) -> dict[str, list[str]]:
+def grid(k_max: int, confident: bool) -> dict[str, list[str]]:
     """The candidate spellings of each family (batch-table has no parameter: built from the profile). The rules that
     read the draft's confidence (llama.cpp's p-min, transformers' self-tuning threshold, SVIP, AdaEDL) are tuned
-    for a model draft only: prompt lookup's confidence is always 1."""
+    for a draft that reports one (`confident`: a model draft; prompt lookup's is always 1, and its match rules read
+    the n-gram match instead)."""
+    ngram = not confident
     ks = range(1, k_max + 1)
     caps = sorted({k for k in (2, 3, 4, 6, 8) if k <= k_max} | {k_max})  # the largest k a stop rule may draft
     cands = [c for c in ("1/3/7", "1/2/4", "2/4/8", "1/4/8", "1/2/3/4/5/6/7/8") if max(map(int, c.split("/"))) <= k_max]
@@ -113,7 +116,7 @@ def tune(policies: dict[str, LengthPolicy], families: dict[str, list[str]], trac
 def tune_rules(traces, profile: dict, draft: str, k_max: int, hardware, sizes: list[int], max_new_tokens: int,
                progress: bool = True) -> dict:
     """Every family's grid (see `grid`) on these traces with this profile's cost model: see `tune`."""
-    families = grid(k_max, draft.startswith("ngram"))
+    families = grid(k_max, traces_report_confidence(traces))
     policies: dict[str, LengthPolicy] = {"none": parse_policy("none")}
     for names in families.values():
         for name in names:

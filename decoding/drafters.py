@@ -92,6 +92,12 @@ class Drafter(Protocol):
     # with tokens (rows, n) (a row with fewer proposals pads: padding is rejected like any wrong guess)
 
 
+def reports_confidence(draft) -> bool:
+    """Whether a drafter's proposals carry a probability and entropy that a stop rule can read (a model draft's do;
+    prompt lookup's are always 1 and 0)."""
+    return bool(getattr(draft, "reports_confidence", True))
+
+
 def hidden_features(hidden_states, draft) -> torch.Tensor:
     """What a draft that reads the target's hidden states gets from a forward's `hidden_states` tuple: the
     layers it lists in `hidden_layers` (EAGLE-3's low / middle / high features), concatenated on the last
@@ -210,6 +216,7 @@ class NgramDrafter:
     last n tokens (n from `max_n` down to `min_n`) and propose the tokens that followed it."""
 
     needs_hidden = False
+    reports_confidence = False  # a proposal's probability is 1 and its entropy 0: no stop rule has anything to read
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:
@@ -299,6 +306,7 @@ class ModelDrafter:
     """
 
     needs_hidden = False
+    reports_confidence = True
 
     def __init__(self, model, name: str, vocab_size: int):
         # transformers loads in seconds: only when a model runs

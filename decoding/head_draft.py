@@ -201,6 +201,7 @@ class HeadDrafter:
     """Drafter protocol around a DraftHead bound to its target (embedding + LM-head rows)."""
 
     needs_hidden = True
+    reports_confidence = True
 
     def __init__(self, head: DraftHead, target_model, name: str = "head", check: bool = True):
         cfg = head.cfg

@@ -157,6 +157,11 @@ def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0,
     return traces, meta
 
 
+def traces_report_confidence(traces: list[Trace]) -> bool:
+    """Whether the draft that recorded these traces reports a confidence below 1 (a model draft; prompt lookup never)."""
+    return any(c < 1.0 for t in traces for cs in t.confidences for c in cs)
+
+
 def train_traces(traces: list[Trace], meta: dict) -> list[Trace]:
     """The traces of train-split prompts (all of them when the file does not record splits)."""
     splits = meta.get("splits") or {}
