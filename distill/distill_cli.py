@@ -12,7 +12,9 @@ Stages, each resumable from the work folder:
    target's top-8 probabilities on the sub-vocabulary plus a smooth-L1 pull of its state towards H;
    checkpoints every few hundred steps (optimizer, schedule and sampler state included); the held-out
    answers give top-1 by depth and the tokens accepted per step at k = 1 .. 8;
-5. export: the head's folder (tens of MB), loadable with `--draft PATH` (or `--draft default`).
+5. export: the head's folder (tens of MB), loadable with `--draft PATH` (or `--draft default`); its config records
+   the ids of the prompts whose answers it learned from (`trained.prompt_ids`), which the policy chain and the rule
+   tuning then leave out of the train split (`HeadConfig.distilled_on`).
 """
 from __future__ import annotations
 
