@@ -42,7 +42,8 @@ def plain(model, inputs, **kwargs):
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("draft,policy", [("ngram", "learned"), ("ngram", "static:4"), ("default", "static:2")])
+@pytest.mark.parametrize("draft,policy", [("ngram", "learned"), ("ngram", "static:4"), ("default", "static:2"),
+                                          ("default", "learned")])  # the head's policy: k and a stop level per step
 def test_one_prompt_is_token_identical_to_transformers_greedy(hf, draft, policy):
     model, tokenizer, texts = hf
     inputs = tokenizer(texts[0], return_tensors="pt")
@@ -129,7 +130,7 @@ def test_the_callers_model_is_left_as_it_was(hf):
     ({"draft": "bogus-model"}, "draft='bogus-model'"),
     ({"policy": "static:99"}, "outside [0, k_max"),
     ({"kernels": "fast"}, "kernels='fast'"),
-    ({"draft": "default", "policy": "learned"}, "and draft 'default'"),
+    ({"draft": "ngram:2", "policy": "learned"}, "and draft 'ngram:2'"),  # no policy for that pair anywhere
 ])
 def test_bad_arguments_are_one_line_errors(hf, kwargs, message):
     model, tokenizer, texts = hf
