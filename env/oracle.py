@@ -147,14 +147,20 @@ def load_draft_traces(path: str | Path, draft_name: str, min_tokens: int = 0,
     if temperature is not None and trace_temperature(meta) != temperature:
         raise SpecPilotError(f"traces {path} were recorded at temperature {trace_temperature(meta):g}, not {temperature:g} "
                              "(scripts/profile_device.py --no-costs --temperature T records them)")
-    head = head_config_of(draft_name)
-    if head is not None:  # the prompts a trained head learned from are no one's train split (HeadConfig.distilled_on)
-        splits = dict(meta.get("splits") or {})
-        for t in traces:
-            if splits.get(t.question_id, "train") == "train" and head.distilled_on(t.question_id, t.category):
-                splits[t.question_id] = "draft-train"
-        meta = {**meta, "splits": splits}
-    return traces, meta
+    return traces, mark_draft_training(traces, meta)
+
+
+def mark_draft_training(traces: list[Trace], meta: dict) -> dict:
+    """The traces' meta with the train-split prompts that their draft, a trained head, learned from marked as split
+    `draft-train` (HeadConfig.distilled_on): no rule or policy is tuned on them (they flatter the head)."""
+    head = head_config_of(str(meta.get("draft") or ""))
+    if head is None:
+        return meta
+    splits = dict(meta.get("splits") or {})
+    for t in traces:
+        if splits.get(t.question_id, "train") == "train" and head.distilled_on(t.question_id, t.category):
+            splits[t.question_id] = "draft-train"
+    return {**meta, "splits": splits}
 
 
 def traces_report_confidence(traces: list[Trace]) -> bool:
@@ -163,8 +169,9 @@ def traces_report_confidence(traces: list[Trace]) -> bool:
 
 
 def train_traces(traces: list[Trace], meta: dict) -> list[Trace]:
-    """The traces of train-split prompts (all of them when the file does not record splits)."""
-    splits = meta.get("splits") or {}
+    """The traces of train-split prompts (all of them when the file does not record splits), never those a trained
+    head learned from (`mark_draft_training`)."""
+    splits = mark_draft_training(traces, meta).get("splits") or {}
     kept = [t for t in traces if splits.get(t.question_id, "train") == "train"]
     if not kept and "draft-train" in splits.values():
         raise SpecPilotError(f"the draft '{meta.get('draft')}' learned from every train-split trace: none is left to tune on")

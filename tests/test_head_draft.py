@@ -193,7 +193,7 @@ def test_traces_of_prompts_a_head_learned_from_are_nobodys_train_split(tiny_pair
     """The prompts whose answers a head was distilled on, and those of the synthetic generator it drew from, are
     marked `draft-train` when its traces load: no rule or policy is tuned on them (they flatter the head)."""
     from specpilot.decoding.head_draft import head_config_of, load_head_config, save_head
-    from specpilot.env.oracle import load_draft_traces, train_traces
+    from specpilot.env.oracle import load_draft_traces, load_traces, train_traces
 
     model, _ = tiny_pair
     made = random_head(model, list(range(64)))
@@ -216,6 +216,8 @@ def test_traces_of_prompts_a_head_learned_from_are_nobodys_train_split(tiny_pair
     traces, meta = load_draft_traces(path, str(folder))
     assert [t.question_id for t in train_traces(traces, meta)] == ["qa-02"]
     assert meta["splits"]["qa-09"] == "test"  # other splits untouched
+    raw, raw_meta = load_traces(path)  # the commands that read a file without the draft check get the same train split
+    assert [t.question_id for t in train_traces(raw, raw_meta)] == ["qa-02"]
     made.cfg.trained = {}  # a head that records nothing it learned from: the whole train split stays
     save_head(made, folder)
     traces, meta = load_draft_traces(path, str(folder))
