@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from specpilot.bench.batch_table import BatchTableK
 from specpilot.bench.tune_cli import rules_policy
 from specpilot.decoding.hardware import artifact_key
@@ -55,14 +57,21 @@ def rule_spec(rule: PerBatchK, batch: int, k_max: int) -> str:
 
 
 def defer_table(mlp: LearnedK, rule: PerBatchK, traces, cost: CostModel, k_max: int, hardware, batch_sizes: list[int],
-                max_new_tokens: int, margin: float) -> tuple[dict[str, str | None], dict[int, float]]:
-    """({batch size: rule spelling, or None where the MLP keeps it}, {batch size: MLP / rule replay speed})."""
+                max_new_tokens: int, margin: float, context_lens: list[int] | None = None
+                ) -> tuple[dict[str, str | None], dict[int, float]]:
+    """({batch size: rule spelling, or None where the MLP keeps it}, {batch size: MLP / rule replay speed}). With
+    `context_lens` (a policy trained on simulated contexts: the YAML's `context_lens`) the replay runs at each of them
+    and the ratio is their geometric mean; else at the prompts' own contexts."""
     if margin < 0:
         raise SpecPilotError(f"the defer margin is >= 0, got {margin:g}")
     ratios, table = {}, {}
     for b in sorted(batch_sizes):
-        got = replay_evaluate({"mlp": mlp, "rule": rule}, traces, cost, k_max, hardware, b, max_new_tokens)
-        ratios[b] = got["mlp"]["speedup"] / got["rule"]["speedup"]
+        logs = []
+        for context in context_lens or [0]:
+            got = replay_evaluate({"mlp": mlp, "rule": rule}, traces, cost, k_max, hardware, b, max_new_tokens,
+                                  context_len=int(context))
+            logs.append(np.log(got["mlp"]["speedup"] / got["rule"]["speedup"]))
+        ratios[b] = float(np.exp(np.mean(logs)))
         table[str(b)] = rule_spec(rule, b, k_max) if ratios[b] < 1.0 + margin else None
     return table, ratios
 
@@ -98,7 +107,7 @@ def defer_main(argv: list[str] | None = None) -> int:
     rules = read_json_file(meta_path.parent / "rules.json", "tuned rules", keys=("best_rule",))
     rule = rules_policy(rules["best_rule"], profile, train, mlp.k_max, cfg.draft)
     table, ratios = defer_table(mlp, rule, train, CostModel.from_profile(profile), mlp.k_max, profile_hardware(profile),
-                                sizes, budget, margin)
+                                sizes, budget, margin, [int(c) for c in mlp.meta.get("context_lens") or []])
     print(f"{len(train)} train prompts ({len(held)} held out for the phase selection), replay, {budget} tokens, margin {margin:g}: {describe(table, ratios)}")
     if not cfg.dry_run:
         write_defer(meta_path, table, ratios, margin)

@@ -847,7 +847,7 @@ def defer_phase(run: Run, meta_path: Path) -> None:
     rule, data = best_rule_phase(run), run.replay
     mlp = LearnedK.load(meta_path, device=run.device_key, draft=run.draft.name, defer=False, replay=True)
     table, ratios = defer_table(mlp, rule, data.budget_traces, data.cost, run.k_max, data.hardware, run.batch_sizes, run.budget,
-                                float(margin))
+                                float(margin), [int(c) for c in run.hp.get("context_lens") or []])  # where it trained
     write_defer(meta_path, table, ratios, float(margin))
     print(f"specpilot: the tuned rule's batch sizes (train-split replay): {describe(table, ratios)}", file=sys.stderr)
 

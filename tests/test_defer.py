@@ -170,3 +170,18 @@ def test_the_committed_cpu_policys_table_is_what_the_command_writes(tmp_path, mo
     assert written["defer_evidence"]["mlp_over_rule"] == pytest.approx(meta["defer_evidence"]["mlp_over_rule"], abs=1e-4)
     loaded = LearnedK.load(tmp_path, device=COMMITTED_CPU_KEY, draft="ngram:3")
     assert set(loaded.defer) == {1, 2, 4, 8, 16} and [loaded.defer[b] is None for b in (1, 2, 4)] == [True] * 3
+
+
+def test_a_policy_trained_on_simulated_contexts_is_judged_at_them():
+    """A policy trained at the YAML's `context_lens` (a simulated chip's long contexts) is gated by the replay at
+    those contexts, not at the prompts' own: here speculation pays at a short context and loses at 10,000 tokens."""
+    short, long_ = [0.1] + [0.12] * K, [0.1] + [0.5] * K
+    c = CostModel([0, 10000], [short, long_], [0.0, 0.0])
+    rule = PerBatchK({1: StaticK(0)}, "best-rule")
+    data = traces()
+    native, ratios = defer_table(match_mlp(), rule, data, c, K, None, [1], 36, margin=0.0)
+    assert native == {"1": None} and ratios[1] > 1.0  # the MLP keeps one row at the prompts' contexts
+    at_long, long_ratios = defer_table(match_mlp(), rule, data, c, K, None, [1], 36, margin=0.0, context_lens=[10000])
+    direct = replay_evaluate({"mlp": match_mlp(), "rule": rule}, data, c, K, None, 1, 36, context_len=10000)
+    assert long_ratios[1] == pytest.approx(direct["mlp"]["speedup"] / direct["rule"]["speedup"]) and long_ratios[1] < 1.0
+    assert at_long == {"1": "static:0"}
