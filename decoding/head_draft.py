@@ -57,8 +57,8 @@ class HeadConfig:
     def distilled_on(self, question_id: str, category: str) -> bool:
         """Whether this head learned from the prompt: its answer was in the distillation data, or the prompt comes
         from the synthetic generator the distillation drew its prompts from. A policy or rule for this head is
-        tuned on the other prompts: acceptance on these flatters the head (the train split's 130 such prompts
-        accept 0.72-0.76 tokens per step at k = 1, its other original ones 0.38, the test split 0.40)."""
+        tuned on the other prompts: acceptance on these flatters the head (`python -m specpilot.bench.draft_seen_cli`
+        measures by how much)."""
         if question_id in set(self.trained.get("prompt_ids") or ()):
             return True
         return int((self.trained.get("config") or {}).get("synthetic_prompts") or 0) > 0 and is_synthetic(question_id, category)

@@ -236,3 +236,20 @@ def test_the_shipped_head_records_the_prompts_it_learned_from():
                                                    "smollm2-135m-instruct-answers.jsonl.gz", "rt")]
     cfg = load_head_config(default_draft_folder())
     assert cfg.trained["prompt_ids"] == sorted(r["id"] for r in rows)
+
+
+def test_draft_seen_groups_the_prompts_a_head_learned_from_and_sums_the_kept_tokens_by_hand():
+    from specpilot.bench.draft_seen_cli import accepted_by_group
+    from specpilot.env.oracle import Trace
+
+    def trace(qid, category, matches):
+        return Trace(qid, category, [1], [2] * len(matches), matches, [4] * len(matches))
+
+    traces = [trace("qa-01", "qa", [3, 0]), trace("synth_x", "synth_qa", [1, 1, 5]), trace("qa-02", "qa", [0, 2]),
+              trace("qa-09", "qa", [4])]
+    splits = {"qa-01": "draft-train", "synth_x": "draft-train", "qa-02": "train", "qa-09": "test"}
+    table = accepted_by_group(traces, splits, {"qa-01"}, [1, 2])
+    assert table["learned from"] == {"prompts": 1, "k=1": 0.5, "k=2": 1.0}  # min(3, k) + min(0, k) over 2 positions
+    assert table["same generator"] == {"prompts": 1, "k=1": 1.0, "k=2": round(4 / 3, 3)}
+    assert table["train (kept)"] == {"prompts": 1, "k=1": 0.5, "k=2": 1.0} and table["test"]["k=2"] == 2.0
+    assert "ood" not in table
