@@ -22,7 +22,7 @@ from specpilot.bench.tune_cli import rules_policy
 from specpilot.decoding.hardware import artifact_key
 from specpilot.decoding.config import ReplayInputs, parse_config, parse_ints, run_cli
 from specpilot.decoding.errors import SpecPilotError
-from specpilot.decoding.paths import POLICIES, Checkpoint, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
+from specpilot.decoding.paths import Checkpoint, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
 from specpilot.env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
 from specpilot.env.replay_env import replay_evaluate
 

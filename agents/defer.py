@@ -23,8 +23,9 @@ from specpilot.decoding.hardware import artifact_key
 from specpilot.decoding.config import ReplayInputs, parse_config, parse_ints, run_cli
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.learned import LearnedK
-from specpilot.decoding.paths import POLICIES, atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
-from specpilot.decoding.policies import PerBatchK, parse_policy
+from specpilot.decoding.paths import atomic_write_text, policy_dir, profile_path, read_json_file, traces_path
+from specpilot.decoding.policies import PerBatchK
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.env.oracle import CostModel, load_profile, load_traces, profile_hardware, train_traces, truncate
 from specpilot.env.replay_env import replay_evaluate
 

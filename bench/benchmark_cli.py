@@ -13,8 +13,10 @@ from specpilot.decoding.config import ModelOptions, at_least, parse_config, pars
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import device_of
 from specpilot.decoding.models import load_draft, load_target, resolve_torch_device
-from specpilot.decoding.paths import atomic_write_text, policy_dir, profile_path, read_json_file, relative, rules_path, traces_path
-from specpilot.decoding.policies import PerBatchK, parse_policy, resolve_k_max
+from specpilot.decoding.paths import atomic_write_text, profile_path, relative, traces_path
+from specpilot.decoding.policies import PerBatchK
+from specpilot.decoding.policy_spec import parse_policy, tuned_rule
+from specpilot.decoding.rule_spec import resolve_k_max
 from specpilot.decoding.prompts import load_prompts, per_category
 from specpilot.decoding.sampling import Sampling
 from specpilot.env.oracle import (
@@ -49,7 +51,6 @@ from .paired_cli import paired_ratios, versus_markdown
 from .plots import plot_batch_benchmark, plot_benchmark, plot_load_benchmark
 from .replay_check import format_check, machine_speed_warning, plain_speed_ratio, replay_check
 from .report import write_report
-from .tune_cli import rules_policy
 
 
 @dataclass
@@ -168,22 +169,8 @@ def _batch_table(cfg, device_key: str, draft, sampling) -> BatchTableK:
 
 def _tuned_rule(cfg, name: str, device_key: str, draft, sampling) -> PerBatchK:
     """`best-rule` or `rule:FAMILY`: the rules tuned on the train split by scripts/tune_rules.py, one
-    spelling per batch size (policies/DEVICE/DRAFT/rules.json or --rules)."""
-    temperature = sampling.temperature  # 0 for greedy decoding
-    path = Path(cfg.rules) if cfg.rules else rules_path(device_key, draft.name, temperature, target=cfg.target)
-    rules = read_json_file(path, "tuned rules", f"run: python scripts/tune_rules.py --device {device_key} --draft {draft.name}",
-                           keys=("draft", "best_rule", "best"))
-    if rules.get("draft") != draft.name:
-        raise SpecPilotError(f"rules {path} were tuned for draft '{rules.get('draft')}', not '{draft.name}'")
-    if float(rules.get("temperature") or 0.0) != temperature:
-        raise SpecPilotError(f"rules {path} were tuned for temperature {float(rules.get('temperature') or 0.0):g}, "
-                             f"not {temperature:g} (scripts/tune_rules.py --temperature)")
-    family = name.partition(":")[2]
-    by_batch = rules["best_rule"] if name == "best-rule" else rules["best"].get(family)
-    if by_batch is None:
-        raise SpecPilotError(f"rules {path} have no family '{family}'; tuned: {', '.join(rules['best'])}")
-    traces, meta, profile = _traces_and_profile(cfg, device_key, draft, sampling)
-    return rules_policy(by_batch, profile, train_traces(traces, meta), cfg.k_max, draft.name, name)
+    spelling per batch size (policies/DEVICE/DRAFT/rules.json or --rules): `policy_spec.tuned_rule`."""
+    return tuned_rule(name, cfg.k_max, device_key, draft.name, cfg.target, sampling.temperature, cfg.rules or None)
 
 
 def _command(argv: list[str] | None) -> str:

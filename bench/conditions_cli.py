@@ -18,7 +18,8 @@ from specpilot.decoding.config import parse_config, parse_ints
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.paths import atomic_write_text, policy_dir, relative
-from specpilot.decoding.policies import StaticK, parse_policy
+from specpilot.decoding.policies import StaticK
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.env.oracle import CostModel, load_profile, profile_hardware
 from specpilot.env.replay_env import replay_evaluate
 from specpilot.env.simulate import CONDITIONS

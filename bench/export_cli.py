@@ -11,7 +11,8 @@ from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import resolve_device
 from specpilot.decoding.models import draft_name
 from specpilot.decoding.paths import atomic_write_text, output_dir, policy_dir, profile_path, relative, traces_path
-from specpilot.decoding.policies import parse_policy, resolve_k_max
+from specpilot.decoding.policy_spec import parse_policy
+from specpilot.decoding.rule_spec import resolve_k_max
 from specpilot.env.oracle import (
     CostModel,
     load_profile,

@@ -16,7 +16,8 @@ from specpilot.decoding.config import parse_config, parse_ints
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.paths import atomic_write_text, policy_dir, relative, traces_path
-from specpilot.decoding.policies import StaticK, parse_policy
+from specpilot.decoding.policies import StaticK
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.env.oracle import (
     CostModel, load_draft_traces, load_profile, oracle_schedule, plain_seconds, profile_hardware, truncate,
 )

@@ -32,7 +32,7 @@ from specpilot.decoding.config import parse_config, parse_ints
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hf import policy_in_assisted_generation, specpilot_generate
 from specpilot.decoding.models import Target, load_draft, load_model
-from specpilot.decoding.policies import parse_policy
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.decoding.prompts import load_prompts, per_category
 from specpilot.decoding.paths import atomic_write_text
 

@@ -23,7 +23,8 @@ from specpilot.decoding.paths import (
     rules_path,
     traces_path,
 )
-from specpilot.decoding.policies import DEFAULT_K_MAX, LengthPolicy, PerBatchK, parse_policy
+from specpilot.decoding.policies import DEFAULT_K_MAX, LengthPolicy, PerBatchK
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.env.oracle import (
     CostModel,
     load_draft_traces,
@@ -153,10 +154,12 @@ def tune_main(argv: list[str] | None = None) -> int:
                         cfg.progress)
     out = Path(cfg.out) if cfg.out else rules_path(cfg.device, cfg.draft, cfg.temperature, output_dir("policies"))
     out.parent.mkdir(parents=True, exist_ok=True)
+    table = BatchTableK.from_profile(profile, traces, cfg.k_max).table  # what `batch-table` means in these rules
     doc = {"device": cfg.device, "draft": cfg.draft, "temperature": cfg.temperature, "split": "train", "traces": len(traces),
            "profile": relative(source), "max_new_tokens": cfg.max_new_tokens, "k_max": cfg.k_max,
            "note": "per batch size, each engine rule's best spelling on the train-split replay (noise-free); "
-                   "best_rule: the best of them", **result}
+                   "best_rule: the best of them; batch_table: vLLM's batch-table rule built from this profile", **result,
+           "batch_table": {str(b): k for b, k in table.items()}}
     atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
     print(f"tuned on {len(traces)} train-split traces, {cfg.max_new_tokens} tokens, cost profile {relative(source)}; "
           "replay speedup over plain of each family's best, per batch size:")

@@ -15,8 +15,8 @@ from .policies import (
     LengthPolicy,
     NoSpeculation,
     StaticK,
-    parse_policy,
 )
+from .policy_spec import parse_policy
 from .sampling import Sampling
 
 __all__ = [

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from .config import ModelOptions, at_least, parse_config
 from .errors import SpecPilotError
@@ -12,7 +11,8 @@ from .hardware import device_of
 from .loop import generate
 from .models import draft_name, load_draft, load_target
 from .paths import read_text_file
-from .policies import parse_policy, resolve_k_max
+from .policy_spec import parse_policy
+from .rule_spec import resolve_k_max
 from .sampling import Sampling
 
 
@@ -63,7 +63,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     k_max = resolve_k_max(cfg.k_max, [])
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm, cfg.threads)
-    policy = parse_policy(cfg.policy, k_max, allow_device_mismatch=cfg.allow_device_mismatch,
+    policy = parse_policy(cfg.policy, k_max, cfg.temperature, allow_device_mismatch=cfg.allow_device_mismatch,
                           device=device_of(str(target.device))[0], draft=draft_name(cfg.draft), target=target.name)
     resolve_k_max(cfg.k_max, [policy])  # a conflicting --k-max is an error
     draft = load_draft(cfg.draft, target, cfg.dtype) if policy.k_max > 0 else None

@@ -38,7 +38,8 @@ from .hardware import device_of
 from .loop import BatchView, Row, StepResult, generate
 from .models import SmallRowLinear, Target, load_draft, use_small_row_gemm
 from .observation import ObservationBuilder
-from .policies import LengthPolicy, parse_policy
+from .policies import LengthPolicy
+from .policy_spec import parse_policy
 from .sampling import Sampling
 from .threads import THREAD_MODES, ThreadGovernor
 
@@ -96,12 +97,13 @@ def _drafter(draft, target: Target):
                          "drafter object (a draft LM: specpilot.decoding.drafters.ModelDrafter)")
 
 
-def _policy(policy, drafter, target: Target, k_max: int | None) -> LengthPolicy:
+def _policy(policy, drafter, target: Target, k_max: int | None, temperature: float = 0.0) -> LengthPolicy:
     if isinstance(policy, LengthPolicy):
         return policy
-    # a learned policy is refused for another drafter than it was trained with (its acceptance features differ)
+    # a learned policy is refused for another drafter than it was trained with (its acceptance features differ);
+    # a tuned rule (best-rule) is read for this drafter and temperature
     kwargs = {"device": device_of(str(target.device))[0], "draft": getattr(drafter, "name", None)}
-    return parse_policy(str(policy), **({"k_max": k_max} if k_max else {}), **kwargs)
+    return parse_policy(str(policy), **({"k_max": k_max} if k_max else {}), temperature=temperature, **kwargs)
 
 
 @contextlib.contextmanager
@@ -157,7 +159,8 @@ def specpilot_generate(model, input_ids, logits_processor=None, stopping_criteri
     target = Target(model=model, tokenizer=None, name=str(getattr(model, "name_or_path", "") or type(model).__name__),
                     eos_ids=frozenset(eos), threads=governor)
     drafter = _drafter(draft, target)
-    length_policy = _policy(policy, drafter, target, k_max)
+    sampling = _sampling(config)
+    length_policy = _policy(policy, drafter, target, k_max, sampling.temperature)
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
     on_step = None
@@ -167,7 +170,7 @@ def specpilot_generate(model, input_ids, logits_processor=None, stopping_criteri
     try:
         with kernels_for(model, kernels), torch.no_grad():
             result = generate(target, drafter, length_policy, prompts if batch > 1 else prompts[0], max_new,
-                              _sampling(config), seed=seed, on_step=on_step)
+                              sampling, seed=seed, on_step=on_step)
     finally:
         if governor is not None:
             governor.restore()  # the caller's thread count

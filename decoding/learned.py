@@ -18,8 +18,9 @@ from .config import warn
 from .errors import SpecPilotError
 from .hardware import HW_FEATURES, artifact_key, counters_by_name, is_cpu_key
 from .observation import FEATURES
-from .paths import POLICIES, pair_name, search_roots, target_key
-from .policies import ActionTable, LengthPolicy, at_or_below, batch_of, parse_policy
+from .paths import POLICIES, pair_name, profile_path, read_json_file, search_roots, target_key
+from .policies import ActionTable, LengthPolicy, at_or_below, batch_of
+from .rule_spec import parse_rule
 
 FORMAT_VERSION = 1
 MIN_FEATURE_STD = 0.02
@@ -59,8 +60,6 @@ def default_policy_path(device_key: str, draft: str | None = None, target: str |
 def idle_counters(policy: "LearnedK") -> np.ndarray:
     """The hardware counters recorded with the cost profile of the policy's device and drafter (profiles/DEVICE-DRAFT.json,
     measured on an otherwise idle machine): what `learned-idle-counters` pins the policy's counters to."""
-    from .paths import profile_path, read_json_file  # noqa: I001
-
     path = profile_path(str(policy.meta["device"]), policy.meta.get("draft"))
     profile = read_json_file(path, "cost profile", keys=("hardware",))
     if not profile.get("hardware"):
@@ -415,7 +414,7 @@ def _deferred_rules(defer: dict, k_max: int, path: str) -> dict[int, LengthPolic
         if size < 1 or not (spec is None or isinstance(spec, str)) or str(spec).startswith("learned"):
             raise SpecPilotError(f"policy {path}: defer entry {batch!r}: {spec!r} is not (batch size >= 1: rule or null)")
         try:
-            rules[size] = None if spec is None else parse_policy(spec, k_max)
+            rules[size] = None if spec is None else parse_rule(spec, k_max)
         except SpecPilotError as exc:
             raise SpecPilotError(f"policy {path}: defer entry {batch!r}: {exc}") from None
     return dict(sorted(rules.items()))

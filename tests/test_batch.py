@@ -9,7 +9,7 @@ from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.head_draft import DraftHead, HeadConfig, HeadDrafter, target_signature
 from specpilot.decoding.loop import generate, speculative_step, start
-from specpilot.decoding.policies import parse_policy
+from specpilot.decoding.policy_spec import parse_policy
 
 # different lengths (one of a single token), repetitive and not
 BATCH = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3], [11, 30]]

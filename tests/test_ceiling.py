@@ -33,7 +33,6 @@ def test_input_families_add_their_columns_and_the_command_runs(tmp_path, capsys)
     one-line error."""
     import json
 
-    import pytest
 
     from specpilot.bench.ceiling import ceiling_main, features, match_features, shadow_at
     from specpilot.decoding.config import run_cli

@@ -122,3 +122,17 @@ def test_every_script_prints_its_help():
         if proc.returncode != 0 or "usage:" not in proc.stdout:
             failed[script.name] = proc.stderr.strip().splitlines()[-1:] or proc.stdout[:200]
     assert not failed, failed
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("draft", ["ngram", "default"])
+def test_generate_takes_the_tuned_best_rule_by_name_and_stays_lossless(draft, capsys):
+    """`--policy best-rule`: this machine's rules tuned on the train split (another CPU's, with a warning, where it
+    has none) for the named draft; the tokens are plain decoding's."""
+    argv = ["--prompt", "List three colours, then repeat the list.", "--draft", draft, "--max-new-tokens", "24", "--json"]
+    code, out, err = run(argv + ["--policy", "none"], capsys)
+    assert code == 0, err
+    code, tuned, err = run(argv + ["--policy", "best-rule"], capsys)
+    assert code == 0, err
+    assert json.loads(tuned)["token_ids"] == json.loads(out)["token_ids"]
+    assert json.loads(tuned)["stats"]["mean_k"] > 0  # the tuned rule drafts at one row on this CPU's rules

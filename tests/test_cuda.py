@@ -10,7 +10,7 @@ from conftest import perturbed_copy, plain_greedy, tiny_llama, tiny_target
 
 from specpilot.decoding.drafters import ModelDrafter
 from specpilot.decoding.loop import generate
-from specpilot.decoding.policies import parse_policy
+from specpilot.decoding.policy_spec import parse_policy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import COMMITTED_CPU_KEY, CPU_KEY, stretch_traces
+from conftest import COMMITTED_CPU_KEY, stretch_traces
 
 from specpilot.agents.defer import defer_table, rule_spec, write_defer
 from specpilot.agents.export import write_policy
@@ -18,7 +18,8 @@ from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.loop import StepResult
 from specpilot.decoding.observation import FEATURES
-from specpilot.decoding.policies import PerBatchK, StaticK, TrtllmK, parse_policy
+from specpilot.decoding.policies import PerBatchK, StaticK, TrtllmK
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.env.oracle import CostModel, Trace
 from specpilot.env.replay_env import replay_evaluate
 

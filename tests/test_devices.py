@@ -227,7 +227,6 @@ def test_background_load_never_outlives_its_run(tmp_path):
 
 def test_benchmark_killed_under_load_leaves_no_load(tmp_path):
     """scripts/benchmark.py --background-load: SIGKILL the benchmark while a load runs; the load dies with it."""
-    import os
     import signal
     import subprocess
     import sys

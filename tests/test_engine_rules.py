@@ -9,7 +9,8 @@ import pytest
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.loop import StepResult
 from specpilot.decoding.observation import FEATURES
-from specpilot.decoding.policies import SGLangAdaptiveK, TrtllmK, parse_policy
+from specpilot.decoding.policies import SGLangAdaptiveK, TrtllmK
+from specpilot.decoding.policy_spec import parse_policy
 
 
 def obs(batch: int = 1) -> np.ndarray:
@@ -188,3 +189,27 @@ def test_rules_are_tuned_and_read_per_temperature(tmp_path):
     written = json.loads((tmp_path / "out" / "replay_batch.json").read_text())
     assert written["results"]["1"]["best-rule"]["speedup"] > 1.0  # every draft accepted in these traces
     assert run_cli(benchmark_main, bench) == 2  # greedy decoding: neither these traces nor these rules
+
+
+def test_best_rule_by_name_reads_the_tuned_spellings_and_the_recorded_batch_table(tmp_path):
+    """`best-rule` wherever a policy is named (generate, custom_generate, the benchmark) is the rules.json's per-batch
+    spellings; vLLM's batch-table at a size reads the table recorded beside them, and without one (or for another
+    draft or temperature) it is a one-line error."""
+    import json
+
+    doc = {"draft": "ngram-3", "temperature": 0.0, "best": {"static": {"1": "static:2"}},
+           "best_rule": {"1": "static:2", "2": "batch-table", "8": "static:0"}, "batch_table": {"1": 2, "2": 5, "8": 0}}
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps(doc))
+    policy = parse_policy("best-rule", 8, rules=path, draft="ngram-3")
+    assert [policy.choose_k(obs(b)) for b in (1, 2, 3, 7, 8, 16)] == [2, 5, 5, 5, 0, 0]
+    assert parse_policy("rule:static", 8, rules=path, draft="ngram-3").choose_k(obs(1)) == 2
+    for rules, kwargs, message in [({**doc, "batch_table": None}, {}, "record no table"),
+                                   (doc, {"draft": "head"}, "tuned for draft 'ngram-3'"),
+                                   (doc, {"temperature": 0.7}, "tuned for temperature 0"),
+                                   (doc, {"text": "rule:trtllm"}, "no family 'trtllm'")]:
+        path.write_text(json.dumps(rules))
+        with pytest.raises(SpecPilotError, match=message):
+            parse_policy(kwargs.pop("text", "best-rule"), 8, rules=path, **{"draft": "ngram-3", **kwargs})
+    with pytest.raises(SpecPilotError, match="name the draft"):
+        parse_policy("best-rule", 8, rules=path)

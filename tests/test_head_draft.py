@@ -19,7 +19,7 @@ from specpilot.decoding.head_draft import (
 )
 from specpilot.decoding.loop import generate
 from specpilot.decoding.models import load_draft, load_target
-from specpilot.decoding.policies import parse_policy
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.distill import distill_cli as distill_mod
 from specpilot.distill.distill_cli import DistillConfig, distill
 

@@ -43,7 +43,8 @@ def plain(model, inputs, **kwargs):
 
 @pytest.mark.embedded
 @pytest.mark.parametrize("draft,policy", [("ngram", "learned"), ("ngram", "static:4"), ("default", "static:2"),
-                                          ("default", "learned")])  # the head's policy: k and a stop level per step
+                                          ("default", "learned"),  # the head's policy: k and a stop level per step
+                                          ("ngram", "best-rule"), ("default", "best-rule")])  # the tuned engine rules
 def test_one_prompt_is_token_identical_to_transformers_greedy(hf, draft, policy):
     model, tokenizer, texts = hf
     inputs = tokenizer(texts[0], return_tensors="pt")

@@ -7,7 +7,7 @@ from conftest import RandomK, plain_greedy, tiny_target
 
 from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
 from specpilot.decoding.loop import generate
-from specpilot.decoding.policies import parse_policy
+from specpilot.decoding.policy_spec import parse_policy
 
 PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2], [42]]
 POLICIES = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5", "match:2",
@@ -150,7 +150,7 @@ def test_bf16_every_token_is_the_verify_pass_choice(greedy, monkeypatch):
     1-token step in the last bits and flip a near-tie, so bf16 output is not promised token-identical to
     plain bf16 decoding; the benchmark reports that mismatch rate instead (measured here too)."""
     import specpilot.decoding.loop
-    from specpilot.decoding.sampling import Sampling, probs_from_logits
+    from specpilot.decoding.sampling import Sampling
     from specpilot.bench.benchmark import mismatch_rate
     from conftest import perturbed_copy, tiny_llama
 

@@ -13,7 +13,7 @@ from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import HW_FEATURES, HardwareMonitor, cpu_key, device_key, resolve_device
 from specpilot.decoding.loop import generate, speculative_step, start
 from specpilot.decoding.observation import FEATURES, HISTORY, ObservationBuilder, repetition_rate
-from specpilot.decoding.policies import parse_policy
+from specpilot.decoding.policy_spec import parse_policy
 
 
 def _spin(seconds: float) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama, tiny_target
+from conftest import tiny_llama, tiny_target
 
 from specpilot.decoding.drafters import ModelDrafter, NgramDrafter
 from specpilot.decoding.loop import generate

@@ -11,7 +11,7 @@ from specpilot.agents.select import held_out, selection_scores
 from specpilot.decoding.hardware import HW_FEATURES
 from specpilot.decoding.learned import LearnedK
 from specpilot.decoding.observation import FEATURES
-from specpilot.decoding.policies import parse_policy
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.env.oracle import CostModel
 from specpilot.env.replay_env import MachineCondition
 

@@ -15,7 +15,8 @@ from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.head_draft import HeadDrafter
 from specpilot.decoding.loop import StepResult, generate
 from specpilot.decoding.observation import FEATURES
-from specpilot.decoding.policies import AdaEDL, BanditK, RocConfidence, parse_policy, roc_threshold
+from specpilot.decoding.policies import AdaEDL, BanditK, RocConfidence, roc_threshold
+from specpilot.decoding.policy_spec import parse_policy
 from specpilot.env.oracle import CostModel, record_trace
 from specpilot.env.replay_env import ReplayEnv, replay_episode
 
