@@ -29,7 +29,7 @@ from specpilot.env.replay_env import replay_evaluate
 from .ensemble import merge
 from .improve import as_policy, improve_policy
 from .ppo import load_hyperparams
-from .train_cli import rollout_episodes
+from .train_plan import rollout_episodes
 
 
 @dataclass

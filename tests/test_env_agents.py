@@ -245,7 +245,8 @@ def test_resume_skips_a_torn_checkpoint(tiny_model_dirs, tmp_path, capsys):
 
 def test_step_budget_is_split_and_never_exceeded():
     from specpilot.agents.ppo import fit_rollouts, split_budget
-    from specpilot.agents.train_cli import TrainConfig, plan_steps
+    from specpilot.agents.train_cli import TrainConfig
+    from specpilot.agents.train_plan import plan_steps
 
     assert split_budget(64, [0, 200000, 20000]) == [0, 58, 6]
     assert split_budget(64, [0, 0, 0]) == [0, 0, 64] and sum(split_budget(1001, [1, 1, 1])) == 1001
@@ -728,7 +729,8 @@ def test_real_env_runs_beside_the_background_load_it_draws(tiny_env_parts):
 
 
 def test_seeds_resolve_from_flags_then_yaml():
-    from specpilot.agents.train_cli import TrainConfig, train_seeds
+    from specpilot.agents.train_cli import TrainConfig
+    from specpilot.agents.train_plan import train_seeds
 
     assert train_seeds(TrainConfig(), {"seeds": [2, 1]}) == [2, 1]
     assert train_seeds(TrainConfig(seed=5), {"seeds": [2, 1]}) == [5]

@@ -20,7 +20,7 @@ from specpilot.decoding.head_draft import (
 from specpilot.decoding.loop import generate
 from specpilot.decoding.models import load_draft, load_target
 from specpilot.decoding.policy_spec import parse_policy
-from specpilot.distill import distill_cli as distill_mod
+from specpilot.distill import corpus, head_training
 from specpilot.distill.distill_cli import DistillConfig, distill
 
 
@@ -139,7 +139,7 @@ def test_a_head_on_the_last_layer_alone_and_greedy_labels_still_trains(tiny_mode
 
 def test_killed_distillation_resumes_to_the_same_head(tiny_model_dirs, tmp_path, monkeypatch):
     whole = distill(_cfg(tiny_model_dirs, tmp_path, "whole", steps=30))
-    real_unroll, calls = distill_mod.unroll, {"n": 0}
+    real_unroll, calls = head_training.unroll, {"n": 0}
 
     def dying_unroll(*args, **kw):
         calls["n"] += args[-1] != 0.0  # training calls only (evaluation passes feature_weight 0)
@@ -147,11 +147,11 @@ def test_killed_distillation_resumes_to_the_same_head(tiny_model_dirs, tmp_path,
             raise KeyboardInterrupt
         return real_unroll(*args, **kw)
 
-    monkeypatch.setattr(distill_mod, "unroll", dying_unroll)
+    monkeypatch.setattr(head_training, "unroll", dying_unroll)
     cfg = _cfg(tiny_model_dirs, tmp_path, "resumed", steps=30)
     with pytest.raises(SpecPilotError, match="interrupted at step 20"):
         distill(cfg)
-    monkeypatch.setattr(distill_mod, "unroll", real_unroll)
+    monkeypatch.setattr(head_training, "unroll", real_unroll)
     resumed = distill(cfg)
     history = json.loads((tmp_path / "work-resumed" / "history.json").read_text())
     assert [h["step"] for h in history] == list(range(1, 31))
@@ -167,14 +167,14 @@ def test_a_new_work_folder_starts_from_the_shipped_answers(tmp_path, monkeypatch
     shipped = tmp_path / "answers.jsonl.gz"
     with gzip.open(shipped, "wt") as sink:
         sink.write(json.dumps({"id": "q1", "prompt_ids": [1, 2], "answer_ids": [3, 0]}) + "\n")
-    monkeypatch.setattr(distill_mod, "SHIPPED_ANSWERS", shipped)
+    monkeypatch.setattr(corpus, "SHIPPED_ANSWERS", shipped)
     path = tmp_path / "work" / "generations.jsonl"
     path.parent.mkdir()
-    assert not distill_mod.seed_answers(DistillConfig(target="other"), path) and not path.exists()
-    assert distill_mod.seed_answers(DistillConfig(), path)
+    assert not corpus.seed_answers(DistillConfig(target="other"), path) and not path.exists()
+    assert corpus.seed_answers(DistillConfig(), path)
     assert json.loads(path.read_text())["answer_ids"] == [3, 0]
     path.write_text("")
-    assert not distill_mod.seed_answers(DistillConfig(), path) and path.read_text() == ""
+    assert not corpus.seed_answers(DistillConfig(), path) and path.read_text() == ""
 
 
 def test_the_shipped_answers_are_the_embedded_targets_and_never_a_test_prompts():
@@ -182,7 +182,7 @@ def test_the_shipped_answers_are_the_embedded_targets_and_never_a_test_prompts()
 
     from specpilot.decoding.prompts import load_prompts
 
-    rows = [json.loads(line) for line in gzip.open(distill_mod.Path(distill_mod.__file__).parent / "data" /
+    rows = [json.loads(line) for line in gzip.open(corpus.SHIPPED_ANSWERS.parent /
                                                    "smollm2-135m-instruct-answers.jsonl.gz", "rt")]
     assert len(rows) >= 1000
     held = {p.question_id for split in ("test", "ood") for p in load_prompts(split=split)}
@@ -232,7 +232,7 @@ def test_traces_of_prompts_a_head_learned_from_are_nobodys_train_split(tiny_pair
 def test_the_shipped_head_records_the_prompts_it_learned_from():
     from specpilot.decoding.head_draft import default_draft_folder, load_head_config
 
-    rows = [json.loads(line) for line in gzip.open(distill_mod.Path(distill_mod.__file__).parent / "data" /
+    rows = [json.loads(line) for line in gzip.open(corpus.SHIPPED_ANSWERS.parent /
                                                    "smollm2-135m-instruct-answers.jsonl.gz", "rt")]
     cfg = load_head_config(default_draft_folder())
     assert cfg.trained["prompt_ids"] == sorted(r["id"] for r in rows)

@@ -110,7 +110,7 @@ def test_the_exported_policy_holds_the_winning_phase_of_each_batch_size(tmp_path
     import json
     from types import SimpleNamespace
 
-    from specpilot.agents.train_cli import select_phase
+    from specpilot.agents.train_select import select_phase
 
     conditions = two_batch_conditions()
     found = {"warm-start": mlp_policy(tmp_path / "a", [5.0, 0, 0, 0, 0]),
