@@ -137,9 +137,11 @@ class LearnedK(LengthPolicy):
         self.layers = [(np.ascontiguousarray(weights[f"{name}.weight"].astype(np.float64).T),
                         weights[f"{name}.bias"].astype(np.float64)) for name in meta["layers"]]
         self._prepare_layers()
-        for sub in self.by_batch.values():
-            if sub is not None:  # one count of the inputs clipped, whichever network decided
-                sub.clipped_by_feature = self.clipped_by_feature
+        self.route: dict[int, LengthPolicy] = route_table(self.defer, self.by_batch, self)
+        """{batch size: what decides a batch of that many live rows or more (up to the next size): a tuned rule of
+        `defer`, else the network of `by_batch`, else this one}; built once at load from both tables, one lookup
+        per decision. A network that decides here counts its calls and clipped inputs into this policy."""
+        self._only = next(iter(self.route.values())) if len(self.route) == 1 else None
 
     def _prepare_layers(self) -> None:
         """The layers the decisions run: float32, as trained (the input normalised in float64 first, as SB3's
@@ -302,33 +304,26 @@ class LearnedK(LengthPolicy):
         step drafts nothing (k = 0, never an arbitrary action) and `non_finite` counts it. A pinned feature
         is ignored, whatever it holds.
 
-        Where `defer` holds a rule for the batch (the entry of the largest listed size <= its live rows), that rule
-        decides instead."""
-        if self.defer:
-            rule = at_or_below(self.defer, batch_of(obs))
-            if rule is not None:
-                self.deferred += 1
-                k = rule.choose_k(obs)
-                self.stop = rule.stop
-                return k
-        if self.by_batch:
-            sub = at_or_below(self.by_batch, batch_of(obs))
-            if sub is not None:  # its counts are this policy's
-                calls, out, bad = sub.calls, sub.out_of_range, sub.non_finite
-                sub.strict = self.strict
-                k = sub.choose_k(obs)
-                self.stop = sub.stop
-                self.calls += sub.calls - calls
-                self.out_of_range += sub.out_of_range - out
-                self.non_finite += sub.non_finite - bad
-                return k
+        The batch's entry of `route` decides: a tuned rule (`defer`) or a network (this one or `by_batch`'s)."""
+        decider = self._only or at_or_below(self.route, batch_of(obs))
+        if decider is self or isinstance(decider, LearnedK):
+            k, self.stop = decider._decide(obs, self)
+            return k
+        self.deferred += 1
+        k = decider.choose_k(obs)
+        self.stop = decider.stop
+        return k
+
+    def _decide(self, obs: np.ndarray, counts: "LearnedK") -> tuple[int, float | None]:
+        """(k, stop level) of this network for one observation; its calls, clipped and non-finite inputs are
+        counted into `counts` (the policy that routed the decision here), whose `strict` applies."""
         x = np.asarray(obs, dtype=np.float64)
         if self._columns is not None:
             x = x[self._columns]
         if self._pinned_at is not None:
             x = x.copy()  # (an ablation: the copy's cost does not matter)
             x[self._pinned_at[0]] = self._pinned_at[1]
-        self.calls += 1
+        counts.calls += 1
         clipped = np.minimum(np.maximum(x, self._lo), self._hi)
         # one reduction answers both checks: NaN or inf when an input is not finite, > 0 when a read one was clipped
         moved = float(np.abs(clipped - x) @ self._read_weight)
@@ -336,20 +331,18 @@ class LearnedK(LengthPolicy):
             if not math.isfinite(moved):
                 bad = ~np.isfinite(x) & ~self._still
                 if bad.any():
-                    if self.strict:
+                    if counts.strict:
                         names = [f for f, b in zip(self.features, bad) if b]
                         raise SpecPilotError(f"learned policy got a non-finite observation in {names[:4]}")
-                    self.non_finite += 1
-                    self.stop = None
-                    return 0
+                    counts.non_finite += 1
+                    return 0, None
                 x = np.where(self._still, self.mean, x)  # only pinned features held NaN / inf: ignored
                 clipped = np.minimum(np.maximum(x, self._lo), self._hi)
                 moved = float(np.abs(clipped - x) @ self._read_weight)
             if self.low is not None and moved > 0.0:
-                self.out_of_range += 1
-                self.clipped_by_feature += (clipped != x) & self._read
-        k, self.stop = self.actions.decode(int(np.argmax(self._forward(clipped))))
-        return k
+                counts.out_of_range += 1
+                counts.clipped_by_feature += (clipped != x) & self._read
+        return self.actions.decode(int(np.argmax(self._forward(clipped))))
 
     def reset(self) -> None:
         for rule in self.defer.values():
@@ -376,6 +369,16 @@ class LearnedK(LengthPolicy):
         for _ in range(calls):
             self.choose_k(obs)
         return (time.perf_counter() - t0) / calls
+
+
+def route_table(defer: dict[int, LengthPolicy | None], by_batch: dict[int, "LearnedK | None"],
+                network: "LearnedK") -> dict[int, LengthPolicy]:
+    """One table from the two a policy records: at every size either lists, the rule `defer` gives the batch, else
+    the network `by_batch` gives it, else `network`. `at_or_below` on it equals both lookups in turn (each table's
+    sizes are among its sizes, so the largest listed size <= B of either is found below the merged one)."""
+    sizes = sorted(set(defer) | set(by_batch)) or [1]
+    return {b: (at_or_below(defer, b) if defer else None) or (at_or_below(by_batch, b) if by_batch else None) or network
+            for b in sizes}
 
 
 def _batch_networks(meta: dict, weights: dict[str, np.ndarray], path: str) -> dict[int, "LearnedK | None"]:

@@ -186,3 +186,31 @@ def test_a_policy_trained_on_simulated_contexts_is_judged_at_them():
     direct = replay_evaluate({"mlp": match_mlp(), "rule": rule}, data, c, K, None, 1, 36, context_len=10000)
     assert long_ratios[1] == pytest.approx(direct["mlp"]["speedup"] / direct["rule"]["speedup"]) and long_ratios[1] < 1.0
     assert at_long == {"1": "static:0"}
+
+
+def test_the_one_routing_table_decides_as_the_two_lookups_in_turn_and_counts_into_the_policy():
+    """LearnedK.route (built once at load from `defer` and `by_batch`) gives every batch size what the rule table
+    then the network table give it, brute-forced over random tables; a network it routes to counts its calls into
+    the policy that routed."""
+    from specpilot.decoding.learned import route_table
+    from specpilot.decoding.policies import at_or_below
+
+    rng = np.random.default_rng(0)
+    net, subs = object(), [object(), object()]
+    for _ in range(200):
+        defer = {int(b): (StaticK(int(rng.integers(K))) if rng.random() < 0.5 else None)
+                 for b in sorted(rng.choice([1, 2, 3, 4, 8, 16], size=rng.integers(0, 4), replace=False))}
+        by_batch = {int(b): subs[int(rng.integers(2))] if rng.random() < 0.6 else None
+                    for b in sorted(rng.choice([1, 2, 4, 6, 16], size=rng.integers(0, 4), replace=False))}
+        route = route_table(defer, by_batch, net)
+        for batch in range(1, 40):
+            rule = at_or_below(defer, batch) if defer else None
+            expected = rule or (at_or_below(by_batch, batch) if by_batch else None) or net
+            assert at_or_below(route, batch) is expected, (defer, by_batch, batch)
+    mlp = match_mlp()
+    sub = match_mlp()
+    mlp.by_batch, mlp.defer = {1: None, 2: sub}, {1: None, 4: StaticK(1)}
+    mlp.route = route_table(mlp.defer, mlp.by_batch, mlp)
+    mlp._only = None
+    assert [mlp.choose_k(obs(b, 5.0)) for b in (1, 2, 3, 4, 9)] == [K, K, K, 1, 1]
+    assert (mlp.calls, mlp.deferred, sub.calls) == (3, 2, 0)
