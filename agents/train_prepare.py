@@ -13,7 +13,7 @@ import numpy as np
 from specpilot.bench.tune_cli import rules_policy, tune_rules
 from specpilot.decoding.config import at_least, parse_ints, warn
 from specpilot.decoding.errors import SpecPilotError
-from specpilot.decoding.hardware import resolve, shared_monitor
+from specpilot.decoding.hardware import LOAD_READING, resolve, shared_monitor
 from specpilot.decoding.models import load_draft, load_target
 from specpilot.decoding.paths import (
     atomic_write_text,
@@ -177,6 +177,8 @@ def prepare_phase(cfg: TrainConfig, hp: dict, target, draft, device_key: str, ha
     return fresh
 
 
+COUNTER_SECONDS = 10.0
+"""Seconds of plain decoding a load profile's counters are read over when only they are stale."""
 LOAD_PROFILE = {"context_lens": "256", "batch_sizes": (1, 4, 16), "repeats": 5}
 """How the chain measures a cost profile beside a load (as profiles/load/ was: one context length, three batch sizes)."""
 
@@ -185,11 +187,19 @@ def load_profiles_phase(pcfg, hp: dict, target, draft, device_key: str, hardware
     """Phase 1c (--env auto): the cost profile beside each of the YAML's `condition_loads` that this device and pair lack
     or hold for another target, measured here with the load running (profile_device.py --background-load L --out
     profiles/load): the replay env's machine conditions, each with the counters as they read under that load."""
-    from specpilot.bench.profile_cli import write_profile  # noqa: I001 (the measuring command)
+    from specpilot.bench.profile_cli import record_counters, write_profile  # noqa: I001 (the measuring command)
 
     for load in hp.get("condition_loads") or []:
         path = load_profile_path(device_key, draft.name, str(load), target.name)
         why = stale_reason(path, target, "cost profile", {}, draft)
+        if why is None and read_json_file(path, "cost profile").get("load_reading") != LOAD_READING:
+            # its costs stand; its counters read the one-minute load average, which lags a load started with the
+            # measurement: read them again under the load (as profile_device.py --record-counters)
+            print(f"specpilot: chain: reading the counters beside the load '{load}' again ({LOAD_READING})",
+                  file=sys.stderr)
+            record_counters(path, read_json_file(path, "cost profile"), target,
+                            target.encode(load_prompts(pcfg.prompts)[0].text, chat=True), str(load), COUNTER_SECONDS)
+            continue
         if why is None:
             print(f"specpilot: chain: cost profile beside the load '{load}' kept ({relative(path)})", file=sys.stderr)
             continue

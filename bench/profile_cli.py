@@ -8,11 +8,12 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from specpilot.decoding.config import at_least, parse_config, parse_ints
 from specpilot.decoding.errors import SpecPilotError
-from specpilot.decoding.hardware import CO_RUNNING, HW_FEATURES, resolve
+from specpilot.decoding.hardware import CO_RUNNING, HW_FEATURES, LOAD_READING, resolve
 from specpilot.decoding.models import ModelDrafter, load_draft, load_target, random_init_target
 from specpilot.decoding.paths import atomic_write_text, output_dir, pair_name, traces_path
 from specpilot.decoding.policies import DEFAULT_K_MAX
@@ -168,14 +169,21 @@ def _record_counters(cfg, device_key: str, torch_device: str) -> int:
                              f"not --background-load {cfg.background_load}")
     target = load_target(cfg.target, cfg.dtype, torch_device, cfg.gemm)
     prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
-    with background_load(cfg.background_load):
-        counters = measure_counters(target, prompt_ids, cfg.counter_seconds)
-    profile.update({"hardware": counters.round(4).tolist(), "hardware_features": list(HW_FEATURES),
-                    "hardware_recorded": f"--record-counters, {cfg.counter_seconds:g} s of plain decoding"})
-    atomic_write_text(path, json.dumps(profile, indent=1))
+    counters = record_counters(path, profile, target, prompt_ids, cfg.background_load, cfg.counter_seconds)
     print(f"counters of {device_key} under load '{cfg.background_load}' written into {path}: "
           + ", ".join(f"{n} {v:.3f}" for n, v in zip(HW_FEATURES, counters) if n.startswith("hw_cpu") or n in CO_RUNNING))
     return 0
+
+
+def record_counters(path: Path, profile: dict, target, prompt_ids: list[int], load: str, seconds: float) -> np.ndarray:
+    """The counters while plain decoding runs here under `load` for `seconds`, written into the profile at `path`
+    (`hardware`, with the load reading they were read with), its costs untouched."""
+    with background_load(load):
+        counters = measure_counters(target, prompt_ids, seconds)
+    profile.update({"hardware": counters.round(4).tolist(), "hardware_features": list(HW_FEATURES),
+                    "load_reading": LOAD_READING, "hardware_recorded": f"--record-counters, {seconds:g} s of plain decoding"})
+    atomic_write_text(path, json.dumps(profile, indent=1))
+    return counters
 
 
 def write_profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_name, out: Path) -> Path:
@@ -191,7 +199,7 @@ def write_profile(cfg, target, draft, prompt_ids, lens, device_key, hardware_nam
     bar.close()
     if "grid" in profile and cfg.context_fit == "linear":
         profile["grid"] = fit_grid_in_context(profile["grid"])
-    profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name,
+    profile.update({"device": device_key, "hardware_name": hardware_name, "target": target.name, "load_reading": LOAD_READING,
                     "draft": getattr(draft, "name", None), "draft_weights": getattr(draft, "weights_id", None) or None,
                     "dtype": str(target.dtype),
                     "shapes": {"target": cfg.target_config or "real weights", "draft": cfg.draft_config or "real weights"}})

@@ -6,6 +6,7 @@ a neutral value and an availability flag, so a missing counter is never NaN.
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -44,6 +45,9 @@ CO_RUNNING = ("hw_cpu_other_util", "hw_cpu_steal", "hw_run_queue_per_core", "hw_
 """The CPU counters that reveal a co-running load (what other processes, or the hypervisor, take from this one)."""
 WINDOW_S = 1.0
 """The co-running counters are rates over about the last second (the kernel counts CPU time in 10 ms ticks)."""
+LOAD_READING = "tasks-damped-1s"
+"""What `hw_load_per_core` reads, as a profile records it (`load_reading`): runnable + blocked tasks per core damped
+with a one-second time constant (`damped_load`). Counters recorded without it read the one-minute load average."""
 
 
 def neutral_counters() -> np.ndarray:
@@ -209,8 +213,9 @@ def nvml_handle(nvml, torch_device: str):
     raise RuntimeError(f"no NVML device matches {torch_device} ({'; '.join(errors)})")
 
 
-def _proc_stat() -> tuple[list[int], int] | None:
-    """(the first line's CPU jiffies, procs_running) of /proc/stat; None where there is none (not Linux)."""
+def _proc_stat() -> tuple[list[int], int, int] | None:
+    """(the first line's CPU jiffies, procs_running, procs_blocked) of /proc/stat; None where there is none (not
+    Linux)."""
     try:
         with open("/proc/stat") as f:
             text = f.read()
@@ -218,7 +223,17 @@ def _proc_stat() -> tuple[list[int], int] | None:
         return None
     lines = text.split("\n")
     running = next((int(line.split()[1]) for line in lines if line.startswith("procs_running")), 0)
-    return [int(x) for x in lines[0].split()[1:9]], running
+    blocked = next((int(line.split()[1]) for line in lines if line.startswith("procs_blocked")), 0)
+    return [int(x) for x in lines[0].split()[1:9]], running, blocked
+
+
+def damped_load(load: float | None, tasks: float, dt: float, tau: float = WINDOW_S) -> float:
+    """The kernel's load average (runnable + uninterruptible tasks, exponentially damped) with a time constant of
+    `tau` seconds instead of its one minute: after a step in the tasks it has moved 1 - 1/e of the way in `tau`
+    seconds, whatever the polling interval `dt`. The first reading (`load` None) is the tasks themselves."""
+    if load is None:
+        return float(tasks)
+    return float(tasks) + (load - float(tasks)) * math.exp(-max(dt, 0.0) / tau)
 
 
 def _own_preemptions() -> int:
@@ -241,7 +256,8 @@ def _own_preemptions() -> int:
 
 
 class _CpuBackend:
-    """psutil's utilisation, frequency and load average, and (Linux) what a co-running load takes: the share of the
+    """psutil's utilisation and frequency, the load per core damped over about a second (Linux; elsewhere the
+    one-minute load average), and (Linux) what a co-running load takes: the share of the
     machine's CPU time other processes used (/proc/stat's busy time less this process's own), the hypervisor's steal,
     the run queue per core, and how often this process's threads were preempted, each over about the last second."""
 
@@ -254,13 +270,17 @@ class _CpuBackend:
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.history: list[tuple[float, list[int], float, int]] = []
         self.running: list[int] = []
+        self.load: float | None = None
+        """Runnable + blocked tasks, damped over about the last second (`damped_load`): `hw_load_per_core` x cores."""
 
     def _co_running(self, out: np.ndarray) -> None:
         stat = _proc_stat()
         if stat is None:
             return
-        jiffies, running = stat
+        jiffies, running, blocked = stat
         now = (time.monotonic(), jiffies, time.process_time(), _own_preemptions())
+        self.load = damped_load(self.load, running + blocked, now[0] - self.history[-1][0] if self.history else 0.0)
+        out[_IDX["hw_load_per_core"]] = self.load / self.cores
         self.history.append(now)
         self.running = (self.running + [running])[-10:]
         while len(self.history) > 2 and now[0] - self.history[1][0] >= WINDOW_S:
@@ -286,10 +306,11 @@ class _CpuBackend:
             out[_IDX["hw_cpu_freq_ratio"]] = freq.current / freq.max if freq and freq.max else 1.0
         except Exception:
             out[_IDX["hw_cpu_freq_ratio"]] = 1.0
-        try:
-            out[_IDX["hw_load_per_core"]] = os.getloadavg()[0] / self.cores
-        except OSError:
-            out[_IDX["hw_load_per_core"]] = 0.0
+        if self.load is None:  # no /proc/stat (not Linux): the kernel's one-minute load average
+            try:
+                out[_IDX["hw_load_per_core"]] = os.getloadavg()[0] / self.cores
+            except OSError:
+                out[_IDX["hw_load_per_core"]] = 0.0
 
 
 class _NvmlBackend:

@@ -16,7 +16,7 @@ import torch
 
 from specpilot.decoding.drafters import Draft, hidden_features
 from specpilot.decoding.errors import SpecPilotError
-from specpilot.decoding.hardware import HW_FEATURES, shared_monitor
+from specpilot.decoding.hardware import HW_FEATURES, WINDOW_S, shared_monitor
 from specpilot.decoding.loop import speculative_step, start, synchronize
 from specpilot.decoding.sampling import Sampling
 
@@ -151,18 +151,19 @@ def profile_batches(target, draft, prompt_ids, k_max: int, context_len: int, rep
             "batch_draft_s_per_token": draft_cost}
 
 
-def measure_counters(target, prompt_ids: list[int], seconds: float) -> np.ndarray:
+def measure_counters(target, prompt_ids: list[int], seconds: float, settle_s: float = 3 * WINDOW_S) -> np.ndarray:
     """The mean of the hardware monitor's counters while the target decodes plainly for `seconds` (from the prompt,
-    restarted when a sequence fills its budget); the first second, the monitor's rate window, is not counted."""
+    restarted when a sequence fills its budget); the first `settle_s` (three of the monitor's one-second windows: its
+    damped load within 5% of a step) are not counted."""
     monitor = shared_monitor(str(target.device))
     read, started = [], time.perf_counter()
-    while time.perf_counter() - started < seconds + 1.0:
+    while time.perf_counter() - started < seconds + settle_s:
         state = start(target, RandomDrafter(target.vocab_size), list(prompt_ids), 64)
         while state.active:
             speculative_step(state, 0)
-            if time.perf_counter() - started >= 1.0:
+            if time.perf_counter() - started >= settle_s:
                 read.append(monitor.read().copy())
-            if time.perf_counter() - started >= seconds + 1.0:
+            if time.perf_counter() - started >= seconds + settle_s:
                 break
     return np.mean(read, axis=0)
 

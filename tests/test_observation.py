@@ -81,6 +81,24 @@ def test_co_running_counters_tell_a_background_load_from_none():
     assert idle["hw_cpu_other_util"] < 0.15 < 0.2 < busy["hw_cpu_other_util"], (idle, busy)
     assert busy["hw_run_queue_per_core"] > idle["hw_run_queue_per_core"] + 0.2, (idle, busy)
     assert busy["hw_preempt_rate_log"] > idle["hw_preempt_rate_log"], (idle, busy)
+    # the load per core follows within the second (the one-minute load average would have moved ~0.03 here)
+    assert busy["hw_load_per_core"] > idle["hw_load_per_core"] + 0.3, (idle, busy)
+
+
+def test_the_damped_load_follows_a_step_in_about_a_second_whatever_the_polling():
+    """`damped_load`: the kernel's load-average formula with a one-second time constant; after a step from 0 to 4
+    tasks it reads 4 (1 - 1/e) one second later, polled every 10 ms or every 250 ms, and the first reading is the
+    tasks themselves."""
+    import math
+
+    from specpilot.decoding.hardware import WINDOW_S, damped_load
+
+    assert damped_load(None, 3, 0.0) == 3.0
+    for dt in (0.01, 0.25):
+        load = 0.0
+        for _ in range(round(WINDOW_S / dt)):
+            load = damped_load(load, 4, dt)
+        assert load == pytest.approx(4 * (1 - math.exp(-1)), rel=1e-9)
 
 
 def test_counters_of_an_older_record_read_by_name():
