@@ -91,9 +91,9 @@ def _drafter(draft, target: Target):
         return None
     if not isinstance(draft, str):
         return draft  # a drafter object (the project's protocol)
-    if draft.startswith("ngram") or draft in ("default", "head"):
+    if draft.startswith("ngram") or draft in ("default", "head", "hybrid"):
         return load_draft(draft, target)
-    raise SpecPilotError(f"draft='{draft}': specpilot_generate takes ngram, ngram:N, default (the trained head) or a "
+    raise SpecPilotError(f"draft='{draft}': specpilot_generate takes ngram, ngram:N, default (the trained head), hybrid (both) or a "
                          "drafter object (a draft LM: specpilot.decoding.drafters.ModelDrafter)")
 
 

@@ -54,6 +54,8 @@ class StepResult:
     """Per active row: drafted tokens kept."""
     new_rows: list[list[int]] = field(default_factory=list)
     """Per active row: tokens appended."""
+    source: str | None = None
+    """The draft source of the step where the drafter has several (`hybrid.HybridDrafter`): lookup, head, extend."""
 
     def __post_init__(self) -> None:
         if not self.accepted_rows:
@@ -286,26 +288,28 @@ def _prefill_batch(state: DecodeState) -> None:
         state.hidden = hidden_features(out.hidden_states, state.draft)[:, -1]
 
 
-def _propose(state: DecodeState, k: int, stop: StopRule | None) -> Draft:
-    """The draft's proposal for every active row: tokens (rows, n), probs (rows, n, V) or None."""
+def _propose(state: DecodeState, k: int, stop: StopRule | None, source: str | None = None) -> Draft:
+    """The draft's proposal for every active row: tokens (rows, n), probs (rows, n, V) or None. `source` goes to a
+    drafter with several (`hybrid.HybridDrafter`)."""
     device = state.rows[0].buffer.device
     if k <= 0 or state.draft is None:
         return Draft(tokens=torch.empty(len(state.active), 0, dtype=torch.long, device=device))
+    extra = {"source": source} if source is not None else {}
     if not state.batched and len(state.active) == 1:
         draft = state.draft.propose(state.context, k, state.sampling, state.generator, stop=stop,
-                                    target_hidden=state.hidden)
+                                    target_hidden=state.hidden, **extra)
         draft.tokens = draft.tokens[None]
         if draft.probs is not None:
             draft.probs = draft.probs[None]
         return draft
     return state.draft.propose_batch([r.context for r in state.active_rows], k, state.sampling, state.generator,
-                                     stop=stop, target_hidden=state.hidden, rows=list(state.active))
+                                     stop=stop, target_hidden=state.hidden, rows=list(state.active), **extra)
 
 
 @torch.inference_mode()
-def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None) -> StepResult:
-    """Draft up to k tokens per active row, verify them in one target pass, keep each row's accepted
-    prefix + 1 token."""
+def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None, source: str | None = None) -> StepResult:
+    """Draft up to k tokens per active row (from `source`, for a drafter with several), verify them in one target
+    pass, keep each row's accepted prefix + 1 token."""
     if state.done:
         raise SpecPilotError("the sequence is finished; start a new one")
     k_requested = k
@@ -314,7 +318,7 @@ def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None) -
     device = rows[0].buffer.device
     synchronize(device)
     t0 = time.perf_counter()
-    draft = _propose(state, k, stop)
+    draft = _propose(state, k, stop, source)
     synchronize(device)
     t1 = time.perf_counter()
     k = draft.tokens.shape[1]
@@ -384,7 +388,7 @@ def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None) -
         draft_s=t1 - t0, verify_s=t2 - t1, confidences=draft.confidences,
         entropies=draft.entropies, match_len=draft.match_len,
         context_len=round(sum(lengths_before) / n_rows),
-        accepted_rows=accepted_rows, new_rows=appended,
+        accepted_rows=accepted_rows, new_rows=appended, source=getattr(state.draft, "last_source", None) if k else None,
     )
 
 
@@ -480,7 +484,7 @@ def generate(
         t_obs = clock()
         k = policy.choose_k(observer.build(state))
         policy_s += clock() - t_obs
-        step = speculative_step(state, k, stop=policy.stop)
+        step = speculative_step(state, k, stop=policy.stop, source=getattr(policy, "source", None))
         policy.update(step)
         observer.push(step)
         steps.append(step)

@@ -27,8 +27,9 @@ from .errors import SpecPilotError
 from .hardware import cpu_key, torch_device_of
 from .threads import THREAD_MODES, ThreadGovernor
 from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
+from .hybrid import HybridDrafter
 
-DRAFT_HELP = "default (the trained draft head) | HEAD_FOLDER | ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
+DRAFT_HELP = "default (the trained draft head) | HEAD_FOLDER | ngram | ngram:N | hybrid (prompt lookup and the head, the source chosen per step) | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
 
 
 @dataclass
@@ -340,6 +341,8 @@ def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter
     if spec in ("default", "head") or is_head_folder(spec):
         folder = default_draft_folder() if spec in ("default", "head") else Path(spec).expanduser()
         return HeadDrafter(load_head(folder), target.model, name="default" if spec in ("default", "head") else spec)
+    if spec == "hybrid":  # prompt lookup and the trained head, the source chosen per step (decoding/hybrid.py)
+        return HybridDrafter(NgramDrafter(max_n=3), HeadDrafter(load_head(default_draft_folder()), target.model))
     name, _, arg = spec.partition(":")
     if name == "ngram" and (not arg or arg.isdigit()):
         return NgramDrafter(max_n=int(arg) if arg else 3)

@@ -24,6 +24,9 @@ class LengthPolicy:
     name = "policy"
     k_max = 0
     stop: "StopRule | None" = None
+    source: str | None = None
+    """For a drafter with several sources (`hybrid.HybridDrafter`): the one this step drafts from, set by
+    `choose_k` (None: the drafter's default)."""
 
     def reset(self) -> None:
         """A new sequence starts."""
@@ -422,6 +425,11 @@ class PerBatchK(LengthPolicy):
     def stop(self) -> StopRule | None:
         """The stop rule of the policy that decided the last batch (one that adapts it keeps it current)."""
         return getattr(self, "_deciding", None) and self._deciding.stop
+
+    @property
+    def source(self) -> str | None:
+        """The draft source of the policy that decided the last batch."""
+        return getattr(self, "_deciding", None) and self._deciding.source
 
     def policy_for(self, batch: int) -> LengthPolicy:
         return at_or_below(self.policies, batch)

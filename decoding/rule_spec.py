@@ -5,6 +5,7 @@ which builds on this module as `learned.LearnedK` does (its deferred rules are s
 from __future__ import annotations
 
 from .errors import SpecPilotError
+from .hybrid import is_hybrid_rule, parse_hybrid_rule
 from .policies import (
     DEFAULT_K_MAX,
     AdaEDL,
@@ -23,7 +24,8 @@ from .policies import (
 
 POLICY_HELP = ("none | static:K | heuristic | confidence:P[:K] (p-min) | transformers-roc[:T[:K]] | entropy:H[:K] (SVIP) | "
                "adaedl[:GAMMA[:LAMBDA0[:K]]] | bandit-ucb[:K1/K2/..[:C]] | match:N[:K] | sglang-adaptive[:C1/C2/..[:ALPHA]] | "
-               "trtllm:B=K/B=K/..[:WINDOW:THRESHOLD] | best-rule | rule:FAMILY (tuned on the train split) | learned | learned:PATH "
+               "trtllm:B=K/B=K/..[:WINDOW:THRESHOLD] | with --draft hybrid: source:lookup|head|extend:K[:P], hybrid-sam[:N[:KL[:KH[:P]]]] "
+               "(SAM-Decoding), hybrid-score[:KL[:KH[:P]]] (Arctic Inference) | best-rule | rule:FAMILY (tuned on the train split) | learned | learned:PATH "
                "| learned-mlp[:PATH] (the MLP alone, without its deferred rules) | learned-idle-counters[:PATH] (its hardware "
                "counters pinned to its device profile's idle ones: an ablation) (benchmark also: oracle, batch-table)")
 
@@ -92,6 +94,10 @@ def parse_rule(text: str, k_max: int = DEFAULT_K_MAX, draft: str | None = None) 
                 raise SpecPilotError(f"policy '{text}' reads prompt lookup's n-gram match; draft '{draft}' has none "
                                      "(use --draft ngram)")
             return MatchLengthK(float(n), k)
+        if is_hybrid_rule(name):
+            if draft and draft != "hybrid":
+                raise SpecPilotError(f"policy '{text}' chooses the draft source of --draft hybrid; draft '{draft}' has one")
+            return parse_hybrid_rule(name, arg, k_max)
         if name == "sglang-adaptive":
             parts = arg.split(":") if arg else []
             candidates = [int(c) for c in parts[0].split("/")] if parts and parts[0] else (1, 3, 7)

@@ -161,6 +161,7 @@ CASES = {
     "head-sub-vocabulary": ("head", Sampling(temperature=1.0), 1),
     "ngram": ("ngram", Sampling(temperature=1.0), 1),
     "lm-two-prompts": ("model", Sampling(temperature=1.0), 2),
+    "hybrid-lookup-then-head": ("hybrid", Sampling(temperature=1.0), 1),
 }
 
 
@@ -178,12 +179,17 @@ def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does
     prompts = [[1, 2, 3, 1, 2], [4, 0, 6, 5, 7]][:n_prompts]
     if kind == "model":
         draft = FirstProposal(ModelDrafter(draft_model, "d", V_SHARP))
-    elif kind == "head":  # proposes from a sub-vocabulary only: q is 0 on the rest, the residual covers it
+    elif kind in ("head", "hybrid"):  # proposes from a sub-vocabulary only: q is 0 on the rest, the residual covers it
         torch.manual_seed(3)
         config = HeadConfig(hidden_size=target_model.config.hidden_size, intermediate_size=48, blocks=1,
                             vocab_ids=[0, 1, 2, 6], target_vocab_size=V_SHARP,
                             target_signature=target_signature(target_model))
-        draft = FirstProposal(HeadDrafter(DraftHead(config).to(target_model.dtype).eval(), target_model))
+        head = HeadDrafter(DraftHead(config).to(target_model.dtype).eval(), target_model)
+        if kind == "hybrid":  # `extend`: the lookup's one token (a point mass on 5), then one from the head
+            from specpilot.decoding.hybrid import HybridDrafter
+
+            head, prompts = HybridDrafter(NgramDrafter(2), head), [[4, 0, 6, 5, 5]]
+        draft = FirstProposal(head)
     else:  # the n-gram draft proposes the token after the earlier [1, 2]: q is a point mass on it
         draft = FirstProposal(NgramDrafter(2))
         prompts = [likely_lookup_prompt(target_model, sampling)]
@@ -191,6 +197,8 @@ def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does
     n = 4000
     law, accepted = two_token_law(target_model, draft, prompts, sampling, n)
     q_first = draft.q if draft.q is not None else torch.nn.functional.one_hot(torch.tensor(prompts[0][2]), V_SHARP).double()
+    if kind == "hybrid":
+        assert torch.equal(q_first, torch.nn.functional.one_hot(torch.tensor(5), V_SHARP).double())
     assert total_variation(exacts[0].sum(1), q_first) >= 0.3  # sharp and different: rejections and residuals matter
     assert 0 < accepted < n * 2 * len(prompts)  # both accept and reject paths ran
     monkeypatch.setattr(specpilot.decoding.loop, "verify_sampling", verify_broken_no_residual)

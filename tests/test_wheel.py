@@ -1,7 +1,8 @@
 """The package a user installs: a wheel with one top-level name whose committed artifacts are package data.
 
 Built from this checkout, installed without dependencies into a fresh venv that sees this environment's packages
-(torch, transformers, ...) but not this checkout, then run from an unrelated directory with an empty user folder:
+(torch, transformers, ...: also when the suite itself runs inside a venv) but not this checkout, then run from an
+unrelated directory with an empty user folder:
 `--policy learned` and `--draft default` must find the shipped policy and head inside the installed package."""
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def installed(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"),
                     str(ROOT)], check=True, capture_output=True, text=True)
     wheel = next((base / "dist").glob("specpilot-*.whl"))
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(base / "venv")], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(base / "venv")], check=True)
     python = base / "venv" / "bin" / "python"
+    see_these_packages(python)
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-q", "--disable-pip-version-check", str(wheel)],
                    check=True, capture_output=True, text=True)
     elsewhere = base / "elsewhere"
@@ -33,6 +35,17 @@ def installed(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(SPECPILOT_HOME=str(base / "home"), WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     return wheel, base / "venv", elsewhere, env
+
+
+def see_these_packages(python: Path) -> None:
+    """Let the venv of `python` import the packages this interpreter imports (torch, transformers, ...; whether it runs
+    inside a venv or not), after its own: a .pth file listing this interpreter's site-packages folders. Their own .pth
+    files (an editable install of this checkout among them) are not run, so the checkout stays unseen."""
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    folders = [p for p in dict.fromkeys(sys.path) if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    assert folders, sys.path
+    (Path(own) / "outer-packages.pth").write_text("".join(f"{p}\n" for p in folders))
 
 
 def run(venv: Path, cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
