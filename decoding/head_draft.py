@@ -263,7 +263,16 @@ class HeadDrafter:
             return Draft(tokens=torch.empty(len(contexts), 0, dtype=torch.long, device=device))
         state = self.head.start(target_hidden)
         token = torch.stack([c[-1] for c in contexts])
-        tokens, probs, confidences, entropies = [], [], [], []
+        return self.draft_on(state, token, k, sampling, generator, stop, device)
+
+    def draft_on(self, state, token: torch.Tensor, k: int, sampling: Sampling, generator, stop=None, device=None,
+                 drafted: Draft | None = None) -> Draft:
+        """Up to k head tokens from `state`, `token` (rows,) the last one fed; appended to `drafted` (tokens already
+        proposed, with their probs, confidences and entropies: the hybrid's lookup tokens) where given."""
+        tokens = list(drafted.tokens.unbind(1)) if drafted is not None else []
+        probs = list(drafted.probs.unbind(1)) if drafted is not None and drafted.probs is not None else []
+        confidences = list(drafted.confidences) if drafted is not None else []
+        entropies = list(drafted.entropies) if drafted is not None else []
         for _ in range(k):
             state = self.head.advance(state, self.embed(token))
             p_sub = probs_from_logits(self.head.logits(state, self.head_weight), sampling)
@@ -278,6 +287,6 @@ class HeadDrafter:
             if not sampling.greedy:
                 probs.append(self._full(p_sub))
         if not tokens:
-            return Draft(tokens=torch.empty(len(contexts), 0, dtype=torch.long, device=device))
+            return Draft(tokens=torch.empty(token.shape[0], 0, dtype=torch.long, device=device or token.device))
         return Draft(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1) if probs else None,
                      confidences=confidences, entropies=entropies)

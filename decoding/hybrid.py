@@ -18,11 +18,11 @@ import math
 
 import torch
 
-from .drafters import Draft, NgramDrafter, StopRule, row_entropies
+from .drafters import Draft, NgramDrafter, StopRule
 from .errors import SpecPilotError
 from .observation import FEATURES, LOG_CAP
 from .policies import LengthPolicy
-from .sampling import Sampling, probs_from_logits, sample
+from .sampling import Sampling
 
 SOURCES = ("lookup", "head", "extend")
 HYBRID_RULES = {
@@ -106,7 +106,8 @@ class HybridDrafter:
         return self._extend(contexts, copied, k, sampling, generator, stop, target_hidden, match)
 
     def _extend(self, contexts, copied, k, sampling, generator, stop, target_hidden, match) -> Draft:
-        """`copied` (rows, n) lookup tokens, then up to k - n head tokens from the head's state advanced through them."""
+        """`copied` (rows, n) lookup tokens, then up to k - n head tokens from the head's state advanced through them
+        (`HeadDrafter.draft_on`); a lookup token's draft distribution is a point mass on it."""
         head = self.head
         n = 0 if copied is None else copied.shape[1]
         state = head.head.start(target_hidden)
@@ -114,28 +115,14 @@ class HybridDrafter:
         for j in range(n):  # the head reads the copied tokens as it reads its own
             state = head.head.advance(state, head.embed(token))
             token = copied[:, j]
-        tokens = [copied[:, j] for j in range(n)]
-        confidences, entropies = [1.0] * n, [0.0] * n
-        vocab = head.vocab_size
-        probs = ([torch.nn.functional.one_hot(copied[:, j], vocab).to(head.head_weight.dtype) for j in range(n)]
-                 if not sampling.greedy else [])
-        for _ in range(k - n):
-            state = head.head.advance(state, head.embed(token))
-            p_sub = probs_from_logits(head.head.logits(state, head.head_weight), sampling)
-            top, entropy = p_sub.max(dim=-1).values.tolist(), row_entropies(p_sub).tolist()
-            if stop is not None and stop.stops(top, entropy):
-                break
-            index = p_sub.argmax(dim=-1) if sampling.greedy else sample(p_sub, generator)
-            token = head.vocab_ids[index]
-            tokens.append(token)
-            confidences.append(sum(top) / len(top))
-            entropies.append(sum(entropy) / len(entropy))
-            if not sampling.greedy:
-                probs.append(head._full(p_sub))
-        if not tokens:
-            return Draft(tokens=torch.empty(len(contexts), 0, dtype=torch.long, device=contexts[0].device))
-        return Draft(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1) if probs else None,
-                     confidences=confidences, entropies=entropies, match_len=match)
+        drafted = None
+        if n:
+            point = (None if sampling.greedy else
+                     torch.nn.functional.one_hot(copied, head.vocab_size).to(head.head_weight.dtype))
+            drafted = Draft(tokens=copied, probs=point, confidences=[1.0] * n, entropies=[0.0] * n)
+        draft = head.draft_on(state, token, k - n, sampling, generator, stop, contexts[0].device, drafted)
+        draft.match_len = match
+        return draft
 
 
 _SUFFIX = FEATURES.index("ngram_suffix_log")
