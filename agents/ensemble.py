@@ -133,7 +133,7 @@ def merge_policies(paths: list, out) -> Path:
     return write_policy(out, layers, normalization, meta["activation"], members[0].k_max, meta["device"],
                         meta.get("hardware_name", ""), sum(int(m.meta.get("training_steps", 0)) for m in members),
                         provenance, check=lambda path: check_merged(members, path),
-                        stop_levels=members[0].actions.stop_levels)
+                        stop_levels=members[0].actions.stop_levels, sources=members[0].actions.sources)
 
 
 def ensemble_main(argv: list[str] | None = None) -> int:

@@ -50,13 +50,14 @@ def provenance_of(meta: dict, also: tuple[str, ...] = ()) -> dict:
 def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]], normalization: dict, activation: str,
                  k_max: int, device: str, hardware_name: str, training_steps: int, provenance: dict,
                  check: Callable[[Path], object] | None = None, by_batch: dict[int, tuple] | None = None,
-                 stop_levels=(0.0,)) -> Path:
+                 stop_levels=(0.0,), sources=(None,)) -> Path:
     """Write policy.json + its weights (the format `LearnedK` reads) for an MLP given as (W, b) layers.
 
     `by_batch` = {batch size: (phase name, layers, normalization)}: the network that decides batches from that size
     up (to the next listed one), stored beside the main one; (phase name, None, None) is the main network itself.
     `stop_levels`: the networks' actions are (k, stop level) pairs (`decoding.policies.ActionTable`), listed in
-    `action_to_k` and `action_to_stop` (only k, as before, with the one level 0).
+    `action_to_k` and `action_to_stop` (only k, as before, with the one level 0); with `sources` (a hybrid drafter's)
+    (source, k, stop level) triples, the sources in `action_to_source`.
 
     Atomic and checked: both files are written to a temporary folder beside `out_dir`, `check(meta_path)`
     runs there, the weights move in under a name of their own (policy-<sha>.safetensors, named in the
@@ -64,7 +65,7 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
     the previous policy loadable; the one replaced is kept as policy.prev.json (+ its weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    actions = ActionTable(k_max, stop_levels)
+    actions = ActionTable(k_max, stop_levels, sources)
     names = [f"layer{i}" for i in range(len(layers))]
     weights = {}
     for name, (w, b) in zip(names, layers):
@@ -95,7 +96,8 @@ def write_policy(out_dir: str | Path, layers: list[tuple[np.ndarray, np.ndarray]
         "activation": activation,
         "layers": names,
         "action_to_k": actions.to_k,
-        **({"action_to_stop": actions.to_stop} if len(actions.stop_levels) > 1 else {}),
+        **({"action_to_stop": actions.to_stop} if len(actions.stop_levels) > 1 or actions.sources != [None] else {}),
+        **({"action_to_source": actions.to_source} if actions.sources != [None] else {}),
         "k_max": k_max,
         "device": device,
         "hardware_name": hardware_name,
@@ -164,13 +166,13 @@ def export_policy(model, venv, out_dir: str | Path, device: str, hardware_name: 
                   check_obs: np.ndarray | None = None, activation: str = "tanh") -> Path:
     """Write the policy; it is committed only once LearnedK picks SB3's actions on a batch of observations. Its
     actions are the env's (k, or (k, stop level) pairs: `ActionTable`), read from the env it trained on."""
-    stop_levels = env_actions(venv).stop_levels
+    table = env_actions(venv)
     layers = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy()) for layer in _linear_layers(model)]
     normalization = {"mean": venv.obs_rms.mean.tolist(), "var": venv.obs_rms.var.tolist(),
                      "epsilon": float(venv.epsilon), "clip": float(venv.clip_obs)}
     return write_policy(out_dir, layers, normalization, activation, k_max, device, hardware_name, model.num_timesteps,
                         provenance, check=lambda meta_path: check_export(model, venv, meta_path, device, check_obs),
-                        stop_levels=stop_levels)
+                        stop_levels=table.stop_levels, sources=table.sources)
 
 
 def env_actions(venv) -> ActionTable:

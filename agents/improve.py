@@ -56,7 +56,7 @@ def _rollout_seconds(env: ReplayEnv, policy: LengthPolicy, action: int, memo: di
     seconds = info["seconds"]
     while not done:
         k = policy.choose_k(env.observer.build(env.state))
-        env.stop = policy.stop
+        env.stop, env.source = policy.stop, getattr(policy, "source", None)
         _, _, done, _, info = env.step(k)
         policy.update(env.last_step)
         seconds += info["seconds"]
@@ -82,7 +82,7 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
             episodes: dict[int, int], max_new_tokens: int, seed: int = 0, progress: bool = True,
             follow: LengthPolicy | None = None, context_lens: list[int] = (),
             conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
-            workers: int = 1, labels: str = "rollout", stop_levels=(0.0,)) -> Dataset:
+            workers: int = 1, labels: str = "rollout", stop_levels=(0.0,), sources=(None,)) -> Dataset:
     """Q-regret labels (rollouts of `base`) on the states that `follow` visits (None: the improved policy,
     argmin Q): for each batch size b, `episodes[b]` episodes (one row: every trace once, in order, when
     episodes >= the traces); with `context_lens` (simulated long contexts) the episodes cycle through them,
@@ -93,7 +93,8 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
     `labels="oracle"`: one-row episodes are labelled with the oracle's hindsight Q* (env.oracle.hindsight_q: k now,
     then the optimal schedule, which knows what will be accepted; behaviour cloning of the oracle, cost-weighted)
     instead of rollouts of `base`; batch episodes keep rollouts (the oracle is per sequence). With `stop_levels`
-    the labels cover every (k, stop level) action (`decoding.policies.ActionTable`)."""
+    the labels cover every (k, stop level) action (`decoding.policies.ActionTable`), with `sources` (a hybrid
+    drafter's traces) every (source, k, stop level) one."""
     rng = np.random.default_rng(seed)
     obs, regret, batch = [], [], []
     plan = []
@@ -110,8 +111,10 @@ def collect(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_max: int
                      for j in range(n)]
     if labels not in ("rollout", "oracle"):
         raise SpecPilotError(f"warm-start labels are 'rollout' or 'oracle', got '{labels}'")
+    if labels == "oracle" and tuple(sources) != (None,):
+        raise SpecPilotError("warm-start labels 'oracle' price k alone; a hybrid drafter's actions need 'rollout'")
     shared = (base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions, hardware_noise,
-              cost_jitter, seed, labels, tuple(stop_levels))
+              cost_jitter, seed, labels, tuple(stop_levels), tuple(sources))
     tasks = [(j, b, indices) for j, (b, indices) in enumerate(plan)]
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     bar = tqdm(total=len(plan), desc="rollout labels", disable=not progress, file=sys.stderr)
@@ -140,11 +143,11 @@ _WORKER: dict = {}
 
 
 def _start_worker(base, follow, traces, cost, k_max, hardware, max_new_tokens, context_lens, conditions,
-                  hardware_noise, cost_jitter, seed, labels, stop_levels) -> None:
+                  hardware_noise, cost_jitter, seed, labels, stop_levels, sources=(None,)) -> None:
     _WORKER.update(base=base, follow=follow, traces=traces, cost=cost, k_max=k_max, hardware=hardware,
                    max_new_tokens=max_new_tokens, context_lens=context_lens, conditions=conditions,
                    hardware_noise=hardware_noise, cost_jitter=cost_jitter, seed=seed, labels=labels,
-                   stop_levels=stop_levels)
+                   stop_levels=stop_levels, sources=sources)
 
 
 def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
@@ -157,7 +160,7 @@ def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
     env = ReplayEnv(traces, condition.cost if condition else w["cost"], k_max=k_max, noise=0.0,
                     hardware=condition.hardware if condition else w["hardware"], batch_sizes=[b],
                     max_new_tokens=w["max_new_tokens"], hardware_noise=w["hardware_noise"], cost_jitter=w["cost_jitter"],
-                    stop_levels=w["stop_levels"])
+                    stop_levels=w["stop_levels"], sources=w["sources"])
     memo = {id(t): t for t in traces} | {id(traces): traces, id(env.cost): env.cost}
     context = context_lens[j % len(context_lens)] if context_lens else 0
     o, _ = env.reset(seed=w["seed"] * 100003 + j, options={"trace_indices": indices, "context_len": context})
@@ -174,8 +177,8 @@ def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
         if hindsight is not None:
             q = hindsight_actions(hindsight[env.state.rows[0].length - env.state.rows[0].prompt_len], env)
         else:
-            rolled: dict[tuple[int, bool], float] = {}  # actions that draft alike step alike: one rollout each
-            q = np.array([rolled[e] if (e := env.draft_length(a)[1:]) in rolled else
+            rolled: dict[tuple, float] = {}  # actions that draft alike from one source step alike: one rollout each
+            q = np.array([rolled[e] if (e := (*env.draft_length(a)[1:], env.actions.source(a))) in rolled else
                           rolled.setdefault(e, _rollout_seconds(env, base, a, memo)) for a in range(len(env.actions))])
         obs.append(o)
         regret.append((q - q.min()) / env.credit.unit)
@@ -184,9 +187,9 @@ def _label_episode(task: tuple[int, int, list[int]]) -> tuple[list, list, list]:
             action = int(np.argmin(q))
         else:
             action = follow.choose_k(o)
-            env.stop = follow.stop
+            env.stop, env.source = follow.stop, getattr(follow, "source", None)
         o, _, done, _, _ = env.step(action)
-        env.stop = None
+        env.stop = env.source = None
         base.update(env.last_step)
         if follow is not None and follow is not base:
             follow.update(env.last_step)
@@ -236,15 +239,17 @@ def fit(data: Dataset, hidden: list[int], activation: str = "tanh", epochs: int 
     return [(m.weight.detach().numpy().astype(np.float32), m.bias.detach().numpy().astype(np.float32)) for m in linear], norm
 
 
-def as_policy(layers, norm: dict, activation: str, k_max: int, meta: dict | None = None, stop_levels=(0.0,)) -> LearnedK:
+def as_policy(layers, norm: dict, activation: str, k_max: int, meta: dict | None = None, stop_levels=(0.0,),
+              sources=(None,)) -> LearnedK:
     """The fitted MLP as a LearnedK (in memory), to score or to serve as the next round's base policy."""
-    table = ActionTable(k_max, stop_levels)
+    table = ActionTable(k_max, stop_levels, sources)
     names = [f"layer{i}" for i in range(len(layers))]
     weights = {}
     for name, (w, b) in zip(names, layers):
         weights[f"{name}.weight"], weights[f"{name}.bias"] = w, b
     full = {"normalization": norm, "activation": activation, "layers": names, "action_to_k": table.to_k,
-            "action_to_stop": table.to_stop, "k_max": k_max, **(meta or {})}
+            "action_to_stop": table.to_stop, **({"action_to_source": table.to_source} if table.sources != [None] else {}),
+            "k_max": k_max, **(meta or {})}
     return LearnedK(full, weights)
 
 
@@ -259,7 +264,7 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
                    epochs: int = 200, seed: int = 0, progress: bool = True, log=None, context_lens: list[int] = (),
                    conditions: list[MachineCondition] = (), hardware_noise: float = 0.0, cost_jitter: float = 0.0,
                    workers: int = 1, labels: str = "rollout", batch_weights: dict[int, float] | None = None,
-                   stop_levels=(0.0,)):
+                   stop_levels=(0.0,), sources=(None,)):
     """`rounds` of rollout policy improvement from `base`: round 1 labels the states of the improved policy
     under `base`; each later round labels the states the last fitted policy visits, with rollouts of it
     (DAgger: the datasets are pooled) and refits (`batch_weights`: {batch size: weight of its states in the
@@ -269,10 +274,10 @@ def improve_policy(base: LengthPolicy, traces: list[Trace], cost: CostModel, k_m
         new = collect(policy, traces, cost, k_max, hardware, batch_sizes, episodes, max_new_tokens, seed=seed + r,
                       progress=progress, follow=None if r == 0 else policy, context_lens=context_lens,
                       conditions=conditions, hardware_noise=hardware_noise, cost_jitter=cost_jitter, workers=workers,
-                      labels=labels, stop_levels=stop_levels)
+                      labels=labels, stop_levels=stop_levels, sources=sources)
         data = new if data is None else merge(data, new)
         layers, norm = fit(data, hidden, activation, epochs, seed=seed + r, batch_weights=batch_weights)
-        fitted = as_policy(layers, norm, activation, k_max, stop_levels=stop_levels)
+        fitted = as_policy(layers, norm, activation, k_max, stop_levels=stop_levels, sources=sources)
         row = {"round": r + 1, "states": int(len(data.obs)), "base_regret": float(new.regret.mean()),
                "fitted_regret": mean_regret(fitted, data)}
         history.append(row)

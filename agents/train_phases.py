@@ -11,7 +11,7 @@ import numpy as np
 from specpilot.bench.batch_table import BatchContextTableK
 from specpilot.decoding.config import warn
 from specpilot.decoding.errors import SpecPilotError
-from specpilot.decoding.hardware import gpu_names
+from specpilot.decoding.hardware import LOAD_READING, gpu_names
 from specpilot.decoding.models import load_draft, load_target
 from specpilot.decoding.paths import (
     atomic_write_text,
@@ -55,7 +55,8 @@ def plain_speed_phase(run: Run) -> dict[str, PlainSpeed] | None:
 def _real_env_fns(run: Run, plain_speeds: dict[str, PlainSpeed]) -> EnvFns:
     cfg, hp = run.cfg, run.hp
     kwargs = dict(k_max=run.k_max, max_new_tokens=run.budget, plain_speeds=plain_speeds, reward=str(hp["reward"]),
-                  batch_sizes=run.real_batch_sizes, loads=run.loads, stop_levels=run.stop_levels)
+                  batch_sizes=run.real_batch_sizes, loads=run.loads, stop_levels=run.stop_levels,
+                  sources=run.sources)
     gpus = gpu_names() if run.torch_device.startswith("cuda") else []
     if cfg.n_envs == 1 or not gpus:  # one process: the envs share the model loaded already
         return EnvFns([lambda: SpecDecodeEnv(run.target, run.draft, run.real_prompts, **kwargs)] * cfg.n_envs)
@@ -78,7 +79,8 @@ def _replay_env_fns(run: Run, sizes: list[int]) -> EnvFns:
                          speed_jitter=float(hp["replay_speed_jitter"]),
                          context_lens=[int(c) for c in hp.get("context_lens") or []], conditions=data.conditions,
                          hardware_noise=run.cfg.hardware_noise if data.conditions else 0.0,
-                         cost_jitter=float(hp.get("replay_cost_jitter") or 0.0), stop_levels=run.stop_levels)
+                         cost_jitter=float(hp.get("replay_cost_jitter") or 0.0), stop_levels=run.stop_levels,
+                         sources=run.sources)
     return EnvFns([make] * run.cfg.n_envs, subprocess=True)
 
 
@@ -145,7 +147,7 @@ def warm_start_phase(run: Run, seed: int, member_run: Path) -> tuple[tuple | Non
         hardware_noise=run.cfg.hardware_noise if data.conditions else 0.0,
         cost_jitter=float(hp.get("replay_cost_jitter") or 0.0), workers=int(hp.get("rollout_workers") or 0),
         labels=labels, batch_weights={int(b): float(w) for b, w in (hp.get("rollout_batch_weights") or {}).items()},
-        stop_levels=run.stop_levels)
+        stop_levels=run.stop_levels, sources=run.sources)
     atomic_write_text(path, json.dumps({"layers": [[w.tolist(), b.tolist()] for w, b in layers], "normalization": norm,
                                         "history": history}))
     return (layers, norm), history
@@ -167,7 +169,7 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
                   "background_loads": run.loads if run.mode != "replay" else [],
                   "max_new_tokens": run.budget, "batch_sizes": run.batch_sizes, "real_batch_sizes": run.real_batch_sizes,
                   "prompts": cfg.prompts or "decoding/data/prompts.jsonl (train split)", "seed": seed, "env": run.mode,
-                  "hyperparams": hp, "warm_start": warm_history, "quick": cfg.quick,
+                  "hyperparams": hp, "warm_start": warm_history, "quick": cfg.quick, "load_reading": LOAD_READING,
                   "phases": [{"name": name, "steps": steps, **({"env": "replay", "conditions": [
                       c.name for c in run.replay.conditions] or ["none"]} if name.startswith("replay") else
                       {"env": "real", "loads": run.loads})} for name, _, steps, _ in phases]}
@@ -176,7 +178,8 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
         selecting = bool(run.replay is not None and run.replay.holdout)
         if selecting and init is not None:
             write_policy(candidates / "warm-start", init[0], init[1], str(hp["activation"]), run.k_max, run.device_key,
-                         run.hardware_name, 0, {**provenance, "candidate": "warm-start"}, stop_levels=run.stop_levels)
+                         run.hardware_name, 0, {**provenance, "candidate": "warm-start"}, stop_levels=run.stop_levels,
+                         sources=run.sources)
 
         def phase_end(name: str, model, venv) -> None:
             if selecting:  # checked against SB3's actions, as every export
@@ -198,7 +201,7 @@ def train_member(run: Run, phases: list[tuple], warm: int, seed: int, member_out
     if init is not None:  # the warm start alone (no PPO steps asked for)
         log_rows(cfg.track, cfg.wandb_project, member_run, {**run_config, **hp}, "warm_start", warm_history)
         return (write_policy(member_out, init[0], init[1], str(hp["activation"]), run.k_max, run.device_key,
-                             run.hardware_name, 0, provenance, stop_levels=run.stop_levels),
+                             run.hardware_name, 0, provenance, stop_levels=run.stop_levels, sources=run.sources),
                 "the rollout-improved policy, no PPO steps")
     raise SpecPilotError("nothing to train: every phase has 0 steps and there is no warm start")
 
@@ -210,10 +213,12 @@ def train_members(run: Run, phases: list[tuple], warm: int) -> tuple[Path, str]:
     members = []
     for number, seed in enumerate(run.seeds, 1):
         member_out = run.out / "seeds" / f"seed-{seed}"
-        if run.cfg.resume and (member_out / "policy.json").exists():
+        why = member_stale(member_out, run) if run.cfg.resume else "not resuming"
+        if why is None:
             print(f"specpilot: seed {seed} ({number}/{len(run.seeds)}): kept {member_out / 'policy.json'}", file=sys.stderr)
         else:
-            print(f"specpilot: seed {seed} ({number}/{len(run.seeds)})", file=sys.stderr)
+            print(f"specpilot: seed {seed} ({number}/{len(run.seeds)})" + (f" (trained anew: {why})" if run.cfg.resume
+                                                                           else ""), file=sys.stderr)
             train_member(run, phases, warm, seed, member_out)
         members.append(member_out / "policy.json")
     kept = keep_phase_policies(run, [m.parent for m in members])
@@ -222,6 +227,21 @@ def train_members(run: Run, phases: list[tuple], warm: int) -> tuple[Path, str]:
         return path, how.replace(" policy,", f" policy (each the mean of {len(run.seeds)} seeds' networks),")
     merged = merge_policies(members, run.out)
     return merged, f"the mean of {len(run.seeds)} seeds' policies ({', '.join(map(str, run.seeds))}), checked against theirs"
+
+
+def member_stale(member_out: Path, run: Run) -> str | None:
+    """Why a seed's finished policy cannot be kept on --resume (None: it can): none yet, trained on another reading
+    of the machine's load (`hardware.LOAD_READING`: its counters would be read otherwise here), or, where the phases
+    are selected on held-out prompts, without the phases' policies it was selected from (run/candidates/)."""
+    path = member_out / "policy.json"
+    if not path.exists():
+        return "none yet"
+    meta = json.loads(path.read_text())
+    if meta.get("load_reading") != LOAD_READING:
+        return f"its load counter was read as '{meta.get('load_reading') or 'the one-minute load average'}', now '{LOAD_READING}'"
+    if run.replay is not None and run.replay.holdout and not any((member_out / "run" / "candidates").glob("*/policy.json")):
+        return "its phases' policies (run/candidates/) are gone"
+    return None
 
 
 def phase_candidates(folder: Path, phases: list[tuple]) -> dict[str, Path]:

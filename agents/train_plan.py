@@ -11,6 +11,7 @@ import numpy as np
 from specpilot.decoding.config import parse_ints
 from specpilot.decoding.drafters import reports_confidence
 from specpilot.decoding.errors import SpecPilotError
+from specpilot.decoding.hybrid import ACTION_SOURCES
 from specpilot.decoding.paths import (
     profile_path,
     traces_path,
@@ -103,7 +104,14 @@ class Run:
         that reports its confidence; prompt lookup's is always 1, so its actions are k alone."""
         if not reports_confidence(self.draft):
             return [0.0]
-        return [float(v) for v in self.hp.get("stop_levels") or [0.0]]
+        key = "hybrid_stop_levels" if self.sources != (None,) else "stop_levels"
+        return [float(v) for v in self.hp.get(key) or [0.0]]
+
+    @property
+    def sources(self) -> tuple:
+        """The draft sources the actions choose among (`decoding.hybrid.ACTION_SOURCES`) for the hybrid drafter; a
+        single drafter's actions name none."""
+        return ACTION_SOURCES if getattr(self.draft, "name", None) == "hybrid" else (None,)
 
     @property
     def run_dir(self) -> Path:

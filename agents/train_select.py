@@ -60,7 +60,7 @@ def select_phase(run: Run, found: dict[str, Path], out: Path, provenance: dict |
     path = write_policy(out, *network_parts(nets[base]), meta["activation"], run.k_max, run.device_key, run.hardware_name,
                         max(int(m.meta["training_steps"]) for m in nets.values()), {**provenance, "selection": selection},
                         by_batch=by_batch, check=lambda p: check_by_batch(p, nets, choice),
-                        stop_levels=nets[base].actions.stop_levels)
+                        stop_levels=nets[base].actions.stop_levels, sources=nets[base].actions.sources)
     return path, ("the " + " / ".join(f"{n} (B >= {min(b for b in choice if choice[b] == n)})" for n in nets)
                   + " policy, picked per batch size on held-out train prompts")
 

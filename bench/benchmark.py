@@ -96,7 +96,9 @@ def run_batch_benchmark(
     # (allocator, kernels)
     for b in batch_sizes:
         first = next(idx for size, _, idx in plan if size == b)
-        generate(target, draft, policies[names[-1]], [encoded[x] for x in first], 8, sampling)
+        own = [n for n in names if getattr(policies[n], "drafter", None) is not None]  # DRAFT@POLICY: its drafter too
+        for name in dict.fromkeys(names[-1:] + own):
+            generate(target, drafter_of(policies[name], draft), policies[name], [encoded[x] for x in first], 8, sampling)
     signature = {"policies": names, "prompts": [p.question_id for p in prompts], "batch_sizes": list(batch_sizes),
                  "max_new_tokens": max_new_tokens, "repeats": repeats, "loads": loads, "sampling": asdict(sampling),
                  "chat": chat, "target": getattr(target, "name", None), "draft": getattr(draft, "name", None)}
@@ -154,12 +156,17 @@ def order_imbalance(repeats: int, batches: list[int], batch_sizes: list[int], po
             f"equally often over {repeats} repeats (slow drift and warm-up favour some); use --repeats {policies}")
 
 
+def drafter_of(policy, draft):
+    """The drafter a benchmarked policy decodes with: its own (`DRAFT@POLICY`, benchmark_cli) or the run's."""
+    return getattr(policy, "drafter", None) or draft
+
+
 def _run_one(target, draft, policy, name, prompts, encoded, b, i, idx, r, max_new_tokens, sampling, load) -> BatchRun:
     """One policy's decoding of one batch (rows `idx` of the prompts) in repeat r, as a BatchRun."""
     if hasattr(policy, "prepare") and b == 1:  # the oracle replays this prompt's schedule
         policy.prepare(prompts[idx[0]].question_id)
     rows = [encoded[x] for x in idx]
-    result = generate(target, draft if policy.k_max > 0 else None, policy, rows[0] if b == 1 else rows,
+    result = generate(target, drafter_of(policy, draft) if policy.k_max > 0 else None, policy, rows[0] if b == 1 else rows,
                       max_new_tokens, sampling, seed=r)
     s = result.stats
     token_ids = [result.token_ids] if b == 1 else result.token_ids

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from specpilot.decoding.config import ModelOptions, at_least, parse_config, parse_ints, warn
 from specpilot.decoding.errors import SpecPilotError
 from specpilot.decoding.hardware import device_of
+from specpilot.decoding.hybrid import SOURCES
 from specpilot.decoding.models import load_draft, load_target, resolve_torch_device
 from specpilot.decoding.paths import atomic_write_text, profile_path, relative, traces_path
 from specpilot.decoding.policies import PerBatchK
@@ -29,6 +30,7 @@ from specpilot.env.oracle import (
     truncate,
 )
 from specpilot.env.replay_env import cost_shape, replay_evaluate
+from specpilot.env.sources import SourceOracleK
 
 from .batch_table import BatchTableK
 from .benchmark import (
@@ -59,7 +61,8 @@ class BenchmarkConfig(ModelOptions):
 
     policies: str = "none,static:1,static:2,static:4,static:8,heuristic,confidence:0.5"
     """Comma-separated policies; static:A..B expands to every k in the range; also oracle, batch-table,
-    best-rule (per batch size the best engine rule tuned on the train split) and rule:FAMILY."""
+    best-rule (per batch size the best engine rule tuned on the train split) and rule:FAMILY. DRAFT@POLICY runs
+    a policy with a drafter of its own (e.g. ngram:3@learned beside --draft hybrid; the real loop only)."""
     draft: str = "ngram"
     """Drafter for every speculative policy (see generate --draft)."""
     target: str = "embedded"
@@ -144,6 +147,25 @@ def expand_policies(text: str) -> list[str]:
     return names
 
 
+def _other_draft(cfg, name: str, target, draft, loaded: dict = {}):  # noqa: B006 (one drafter per spelling)
+    """The drafter of `DRAFT@POLICY` (loaded once per spelling), else the run's --draft. Its policies run in the
+    real loop only: --replay, --replay-check and the oracle read the run's draft's traces."""
+    spec, at, _ = name.rpartition("@")
+    if not at:
+        return draft
+    if cfg.replay or cfg.replay_check:
+        raise SpecPilotError(f"policy '{name}' decodes with its own draft: --replay and --replay-check replay --draft's "
+                             "traces only")
+    if spec == cfg.draft:
+        return draft
+    key = (spec, id(target))
+    if key not in loaded:
+        loaded[key] = load_draft(spec, target, cfg.dtype)
+        if loaded[key] is None:
+            raise SpecPilotError(f"policy '{name}': 'none' is not a draft (benchmark 'none' itself for plain decoding)")
+    return loaded[key]
+
+
 def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, dict, dict]:
     """This draft's acceptance traces, their meta and the device's cost profile (for the oracle, the
     batch table and --replay). Sampled decoding reads the traces recorded at its temperature."""
@@ -153,11 +175,21 @@ def _traces_and_profile(cfg, device_key: str, draft, sampling) -> tuple[list, di
     return traces, meta, profile
 
 
-def _oracle(cfg, device_key: str, draft, sampling) -> OracleK:
+def _oracle(cfg, device_key: str, draft, sampling, sources: str = "") -> OracleK | SourceOracleK:
+    """The hindsight schedule of each traced prompt; for the hybrid drafter's traces over its sources (`oracle`) or
+    some of them (`oracle:lookup`, `oracle:head/extend`: env.sources)."""
     if not sampling.greedy and not cfg.replay:
         raise SpecPilotError("the oracle's schedule is one continuation's: with sampling it runs in --replay only")
     traces, _, profile = _traces_and_profile(cfg, device_key, draft, sampling)
-    return OracleK(traces, CostModel.from_profile(profile), cfg.k_max, cfg.max_new_tokens)
+    cost = CostModel.from_profile(profile)
+    if any(t.sources for t in traces):
+        chosen = tuple(sources.split("/")) if sources else SOURCES
+        if not set(chosen) <= set(SOURCES):
+            raise SpecPilotError(f"oracle:{sources}: the sources are {', '.join(SOURCES)} (e.g. oracle:lookup/head)")
+        return SourceOracleK(traces, cost, cfg.k_max, cfg.max_new_tokens, chosen)
+    if sources:
+        raise SpecPilotError(f"oracle:{sources} chooses among a hybrid drafter's sources; draft '{draft.name}' has one")
+    return OracleK(traces, cost, cfg.k_max, cfg.max_new_tokens)
 
 
 def _batch_table(cfg, device_key: str, draft, sampling) -> BatchTableK:
@@ -403,9 +435,10 @@ def benchmark_main(argv: list[str] | None = None) -> int:
                              f"got {cfg.cost_jitter:g}" + ("" if cfg.replay else " without --replay"))
     if loads != ["none"] and (cfg.replay or cfg.replay_check):
         raise SpecPilotError("--background-load times the real loop; --replay and --replay-check time nothing")
-    if "oracle" in names and loads != ["none"] and not cfg.replay:
+    oracles = any(n.split(":")[0] == "oracle" for n in names)
+    if oracles and loads != ["none"] and not cfg.replay:
         raise SpecPilotError("the oracle's schedule comes from the unloaded cost profile: leave it out of --background-load runs")
-    if "oracle" in names and cfg.batch_sizes and not cfg.replay:
+    if oracles and cfg.batch_sizes and not cfg.replay:
         raise SpecPilotError("the oracle's hindsight schedule is per sequence: run it without --batch-sizes, or with --replay")
     if "none" not in names:
         names.insert(0, "none")
@@ -414,23 +447,28 @@ def benchmark_main(argv: list[str] | None = None) -> int:
     prompts = per_category(load_prompts(cfg.prompts, cfg.split), cfg.per_category)
     target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm, cfg.threads)
     draft = load_draft(cfg.draft, target, cfg.dtype)
-    learned = {n: parse_policy(n, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key, draft=draft.name,
-                               target=target.name)
-               for n in names if n.split(":")[0] in ("learned", "learned-mlp", "learned-idle-counters")}
+    # DRAFT@POLICY: a policy that decodes with a drafter of its own (e.g. ngram:3@learned beside --draft hybrid)
+    drafts = {n: _other_draft(cfg, n, target, draft) for n in names}
+    learned = {n: parse_policy(n.rpartition("@")[2], allow_device_mismatch=cfg.allow_device_mismatch, device=device_key,
+                               draft=drafts[n].name, target=target.name)
+               for n in names if n.rpartition("@")[2].split(":")[0] in ("learned", "learned-mlp", "learned-idle-counters")}
     cfg.k_max = resolve_k_max(cfg.k_max, learned.values())
     policies = {}
     for n in names:
+        own, spec = drafts[n], n.rpartition("@")[2]
         if n in learned:
             policies[n] = learned[n]
-        elif n == "oracle":
-            policies[n] = _oracle(cfg, device_key, draft, sampling)
-        elif n == "batch-table":
-            policies[n] = _batch_table(cfg, device_key, draft, sampling)
-        elif n == "best-rule" or n.startswith("rule:"):
-            policies[n] = _tuned_rule(cfg, n, device_key, draft, sampling)
+        elif spec.split(":")[0] == "oracle":
+            policies[n] = _oracle(cfg, device_key, own, sampling, spec.partition(":")[2])
+        elif spec == "batch-table":
+            policies[n] = _batch_table(cfg, device_key, own, sampling)
+        elif spec == "best-rule" or spec.startswith("rule:"):
+            policies[n] = _tuned_rule(cfg, spec, device_key, own, sampling)
         else:
-            policies[n] = parse_policy(n, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key,
-                                       draft=draft.name)
+            policies[n] = parse_policy(spec, cfg.k_max, allow_device_mismatch=cfg.allow_device_mismatch, device=device_key,
+                                       draft=own.name)
+        if own is not draft:
+            policies[n].drafter = own
     if cfg.replay_check:
         return _replay_check(cfg, target, device_key, draft, sampling, policies, prompts)
     if cfg.replay:

@@ -278,6 +278,9 @@ def _simulate(cfg) -> int:
 def write_traces(cfg, target, draft, out: Path) -> Path:
     """Record greedy (or sampled) acceptance traces of this target and draft on --trace-split's prompts into OUT."""
     prompts = load_prompts(cfg.prompts, cfg.trace_split)
+    seen = getattr(draft, "distilled_on", None)  # a trained head's own training prompts: nothing is tuned on them
+    if seen is not None and draft.name == "hybrid":  # (the head's own traces keep them, for reports/draft-seen.md)
+        prompts = [p for p in prompts if not (p.split == "train" and seen(p.question_id, p.category))]
     trace_path = out / traces_path(draft.name, cfg.temperature, target.name).name
     sampling = Sampling(cfg.temperature)
     meta = {"target": target.name, "draft": draft.name, "draft_weights": getattr(draft, "weights_id", None) or None,

@@ -65,11 +65,14 @@ class TuneConfig(ReplayInputs):
     """Show a progress bar."""
 
 
-def grid(k_max: int, confident: bool) -> dict[str, list[str]]:
+def grid(k_max: int, confident: bool, hybrid: bool = False) -> dict[str, list[str]]:
     """The candidate spellings of each family (batch-table has no parameter: built from the profile). The rules that
     read the draft's confidence (llama.cpp's p-min, transformers' self-tuning threshold, SVIP, AdaEDL) are tuned
     for a draft that reports one (`confident`: a model draft; prompt lookup's is always 1, and its match rules read
-    the n-gram match instead)."""
+    the n-gram match instead). For the hybrid drafter (`hybrid`) the single-source rules run its default source
+    (the extension) and the source rules of decoding/hybrid.py join them (`hybrid_grid`)."""
+    if hybrid:
+        return {**{f: c for f, c in grid(k_max, False).items() if f != "match"}, **hybrid_grid(k_max)}
     ngram = not confident
     ks = range(1, k_max + 1)
     caps = sorted({k for k in (2, 3, 4, 6, 8) if k <= k_max} | {k_max})  # the largest k a stop rule may draft
@@ -88,6 +91,26 @@ def grid(k_max: int, confident: bool) -> dict[str, list[str]]:
         "adaedl": [] if ngram else [f"adaedl:{g}:{lam}:{k}" for g in (1, 2) for lam in (0.3, 0.5, 0.7) for k in caps],
         "bandit-ucb": [f"bandit-ucb:{'/'.join(map(str, arms))}:{c}" for arms in ([0, 1, 2, 3, 4], list(range(k_max + 1)))
                        for c in (0.1, 0.3) if max(arms) <= k_max],
+    }
+
+
+def hybrid_grid(k_max: int) -> dict[str, list[str]]:
+    """The source rules' candidates (decoding/hybrid.py): SAM's match threshold, Arctic's score, llama.cpp's
+    best-of-speculators, a UCB bandit over (source, k) arms, and each single source at a fixed k (the head's with
+    a p-min stop), every k within k_max."""
+    lookup = [k for k in (2, 4, 6, 8) if k <= k_max]
+    head = [k for k in (1, 2, 3) if k <= k_max]
+    stops = ("", ":0.3", ":0.5")
+    arms = ["lookup=8/head=2/extend=4", "lookup=4/head=1/extend=3", "lookup=8/head=1", "lookup=2/head=1/extend=2"]
+    return {
+        "hybrid-sam": [f"hybrid-sam:{n}:{kl}:{kh}{p}" for n in (1, 2, 3, 4) for kl in lookup for kh in head for p in stops],
+        "hybrid-score": [f"hybrid-score:{kl}:{kh}{p}" for kl in lookup for kh in head for p in stops],
+        "hybrid-best": [f"hybrid-best:{kl}:{kh}{p}" for kl in lookup for kh in head for p in stops],
+        "hybrid-ucb": [f"hybrid-ucb:{a}:{c}" for a in arms for c in (0.1, 0.3)
+                       if max(int(x.partition("=")[2]) for x in a.split("/")) <= k_max],
+        "source-lookup": [f"source:lookup:{k}" for k in range(1, k_max + 1)],
+        "source-head": [f"source:head:{k}{p}" for k in range(1, min(4, k_max) + 1) for p in ("", ":0.2", ":0.4", ":0.6")],
+        "source-extend": [f"source:extend:{k}" for k in range(1, k_max + 1)],
     }
 
 
@@ -117,7 +140,7 @@ def tune(policies: dict[str, LengthPolicy], families: dict[str, list[str]], trac
 def tune_rules(traces, profile: dict, draft: str, k_max: int, hardware, sizes: list[int], max_new_tokens: int,
                progress: bool = True) -> dict:
     """Every family's grid (see `grid`) on these traces with this profile's cost model: see `tune`."""
-    families = grid(k_max, traces_report_confidence(traces))
+    families = grid(k_max, traces_report_confidence(traces), hybrid=any(t.sources for t in traces))
     policies: dict[str, LengthPolicy] = {"none": parse_policy("none")}
     for names in families.values():
         for name in names:

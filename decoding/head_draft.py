@@ -180,8 +180,9 @@ def is_head_folder(spec: str) -> bool:
 
 
 def head_config_of(draft_name: str) -> HeadConfig | None:
-    """The config of the head a draft name loads (`default`, `head` or a head's folder); None for any other draft."""
-    if draft_name in ("default", "head"):
+    """The config of the head a draft name loads (`default`, `head`, `hybrid`, whose head is the default one, or a
+    head's folder); None for any other draft."""
+    if draft_name in ("default", "head", "hybrid"):
         return load_head_config(default_draft_folder())
     return load_head_config(draft_name) if is_head_folder(draft_name) else None
 

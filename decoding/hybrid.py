@@ -21,16 +21,24 @@ import torch
 from .drafters import Draft, NgramDrafter, StopRule
 from .errors import SpecPilotError
 from .observation import FEATURES, LOG_CAP
-from .policies import LengthPolicy
+from .policies import BanditK, LengthPolicy
 from .sampling import Sampling
 
 SOURCES = ("lookup", "head", "extend")
+ACTION_SOURCES = (None, "lookup", "head")
+"""The sources of a learned hybrid policy's actions (`policies.ActionTable`): None first, the default one (the
+extension, unless the env or caller names another), so that actions 0..k_max stay k alone."""
 HYBRID_RULES = {
     "hybrid-sam": "SAM-Decoding (Hu et al. 2024, arXiv:2411.10666): the suffix automaton's retrieved draft when its "
                   "match is at least N tokens (N = 4 in its code), else the auxiliary draft (EAGLE)",
     "hybrid-score": "Arctic Inference's suffix decoding (Snowflake 2025): the suffix-tree draft when its score (the "
                     "expected accepted tokens, a sum of path frequencies) reaches the model speculator's draft "
                     "length, else the speculator",
+    "hybrid-best": "llama.cpp's parallel drafting (PR 22838): every speculator drafts and the best one wins by its "
+                   "acceptance rate x its draft length (here each source's acceptance so far in the sequence, "
+                   "Laplace-smoothed, times the tokens it can draft now)",
+    "hybrid-ucb": "MetaSD (ACL 2026): a UCB bandit over drafters; here over (source, k) arms, each arm's reward its "
+                  "steps' tokens per second (BanditSpec's reward, `bandit-ucb`)",
     "source": "one source at a fixed k: each single draft's rule inside the hybrid loop",
 }
 
@@ -180,7 +188,9 @@ class ScoreK(LengthPolicy):
         if k_lookup < 1 or k_head < 0:
             raise SpecPilotError(f"hybrid-score needs KL >= 1, KH >= 0; got {k_lookup}, {k_head}")
         self.k_lookup, self.k_head, self.k_scale = k_lookup, k_head, k_max
-        self.k_max = max(k_lookup, k_head)
+        # the observation's available share is of its builder's k_max, the policy's (decoding.loop.generate): this
+        # rule's is the scale it reads the share with, so the loop and the replay env (k_max = the scale) agree
+        self.k_max = max(k_lookup, k_head, k_max)
         self._head_stop = StopRule(min_confidence=min_confidence) if min_confidence > 0 else None
         self.name = f"hybrid-score:{k_lookup}:{k_head}" + (f":{min_confidence:g}" if min_confidence > 0 else "")
         self.source = "head"
@@ -194,9 +204,80 @@ class ScoreK(LengthPolicy):
         return self.k_head
 
 
+class BestOfK(LengthPolicy):
+    """llama.cpp's best-of-speculators choice (`hybrid-best:KL:KH[:P]`): the source whose acceptance rate so far in
+    the sequence ((accepted + 1) / (drafted + 2) over its own steps) times the tokens it can draft now (the lookup's
+    continuation up to KL, the head's KH) is the larger."""
+
+    def __init__(self, k_lookup: int = 8, k_head: int = 2, min_confidence: float = 0.0, k_max: int = 8):
+        if k_lookup < 1 or k_head < 1:
+            raise SpecPilotError(f"hybrid-best needs KL >= 1, KH >= 1; got {k_lookup}, {k_head}")
+        self.k_lookup, self.k_head, self.k_scale = k_lookup, k_head, k_max
+        self.k_max = max(k_lookup, k_head, k_max)  # the scale of the available share it reads (ScoreK)
+        self._head_stop = StopRule(min_confidence=min_confidence) if min_confidence > 0 else None
+        self.name = f"hybrid-best:{k_lookup}:{k_head}" + (f":{min_confidence:g}" if min_confidence > 0 else "")
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = {"lookup": [0, 0], "head": [0, 0]}  # [accepted, drafted] of each source's steps
+        self.source = "head"
+
+    def rate(self, source: str) -> float:
+        accepted, drafted = self.counts[source]
+        return (accepted + 1) / (drafted + 2)
+
+    def choose_k(self, obs) -> int:
+        available = min(self.k_lookup, round(float(obs[_AVAILABLE]) * self.k_scale))
+        if available >= 1 and self.rate("lookup") * available >= self.rate("head") * self.k_head:
+            self.source, self.stop = "lookup", None
+            return self.k_lookup
+        self.source, self.stop = "head", self._head_stop
+        return self.k_head
+
+    def update(self, step) -> None:
+        counts = self.counts.get(getattr(step, "source", None) or "")
+        if counts is not None and step.k:
+            counts[0] += step.accepted
+            counts[1] += step.k
+
+
+class SourceBanditK(BanditK):
+    """MetaSD's UCB bandit over drafters (`hybrid-ucb:S=K/S=K/..[:C]`): each arm a (source, k), its reward its steps'
+    tokens per second, played by `BanditK`'s UCB (statistics kept across sequences, one bandit per batch size)."""
+
+    def __init__(self, arms=(("lookup", 8), ("head", 2), ("extend", 4)), c: float = 0.3):
+        arms = [(str(s), int(k)) for s, k in arms]
+        for source, k in arms:
+            if source not in SOURCES or k < 0:
+                raise SpecPilotError(f"hybrid-ucb arm '{source}={k}': expected SOURCE=K with a source in {', '.join(SOURCES)}")
+        if not arms or len(set(arms)) != len(arms) or c < 0:
+            raise SpecPilotError(f"hybrid-ucb needs distinct arms and c >= 0, got {arms}, {c}")
+        super().__init__(range(len(arms)), c, k_max=len(arms))
+        self.pairs = arms
+        self.k_max = max(k for _, k in arms)
+        self.name = "hybrid-ucb:" + "/".join(f"{s}={k}" for s, k in arms) + f":{c:g}"
+        self.source = arms[0][0]
+
+    def choose_k(self, obs) -> int:
+        self.source, k = self.pairs[self.pick(obs)]
+        return k
+
+
 def parse_hybrid_rule(name: str, arg: str, k_max: int) -> LengthPolicy:
-    """`source:S:K[:P]`, `hybrid-sam[:N[:KL[:KH[:P]]]]`, `hybrid-score[:KL[:KH[:P]]]` (ValueError: not one)."""
+    """`source:S:K[:P]`, `hybrid-sam[:N[:KL[:KH[:P]]]]`, `hybrid-score[:KL[:KH[:P]]]`, `hybrid-best[:KL[:KH[:P]]]`,
+    `hybrid-ucb[:S=K/S=K/..[:C]]` (ValueError: not one)."""
     parts = arg.split(":") if arg else []
+    if name == "hybrid-ucb":
+        if len(parts) > 2:
+            raise ValueError
+        arms = [a.partition("=") for a in parts[0].split("/")] if parts and parts[0] else None
+        if arms is not None and any(not sep or not k.isdigit() for _, sep, k in arms):
+            raise ValueError
+        policy = SourceBanditK([(s, int(k)) for s, _, k in arms] if arms else
+                               [(s, min(k, k_max)) for s, k in (("lookup", 8), ("head", 2), ("extend", 4))],
+                               float(parts[1]) if len(parts) > 1 else 0.3)
+        _check_k(policy.k_max, k_max)
+        return policy
     if name == "source":
         if not 2 <= len(parts) <= 3:
             raise ValueError
@@ -208,11 +289,12 @@ def parse_hybrid_rule(name: str, arg: str, k_max: int) -> LengthPolicy:
             raise ValueError
         n, kl, kh, p = (parts + [None] * 4)[:4]
         policy = SamK(float(n or 4), int(kl or min(8, k_max)), int(kh or min(2, k_max)), float(p or 0.0))
-    elif name == "hybrid-score":
+    elif name in ("hybrid-score", "hybrid-best"):
         if len(parts) > 3:
             raise ValueError
         kl, kh, p = (parts + [None] * 3)[:3]
-        policy = ScoreK(int(kl or min(8, k_max)), int(kh or min(2, k_max)), float(p or 0.0), k_max)
+        rule = ScoreK if name == "hybrid-score" else BestOfK
+        policy = rule(int(kl or min(8, k_max)), int(kh or min(2, k_max)), float(p or 0.0), k_max)
     else:
         raise ValueError
     _check_k(policy.k_max, k_max)

@@ -98,8 +98,10 @@ class LearnedK(LengthPolicy):
         self.action_to_k = [int(k) for k in meta["action_to_k"]]
         self.action_to_stop = [float(v) for v in meta.get("action_to_stop") or [0.0] * len(self.action_to_k)]
         """Per action, the stop level inside the draft (`policies.ActionTable`; absent: 0, draft all k)."""
+        self.action_to_source = meta.get("action_to_source")
+        """Per action, the draft source (a hybrid drafter's policy; absent: the drafter's default)."""
         try:
-            self.actions = ActionTable.of(self.action_to_k, self.action_to_stop)
+            self.actions = ActionTable.of(self.action_to_k, self.action_to_stop, self.action_to_source)
         except SpecPilotError as exc:
             raise SpecPilotError(f"policy {path}: {exc}") from None
         norm = meta["normalization"]
@@ -307,15 +309,15 @@ class LearnedK(LengthPolicy):
         The batch's entry of `route` decides: a tuned rule (`defer`) or a network (this one or `by_batch`'s)."""
         decider = self._only or at_or_below(self.route, batch_of(obs))
         if decider is self or isinstance(decider, LearnedK):
-            k, self.stop = decider._decide(obs, self)
+            k, self.stop, self.source = decider._decide(obs, self)
             return k
         self.deferred += 1
         k = decider.choose_k(obs)
-        self.stop = decider.stop
+        self.stop, self.source = decider.stop, getattr(decider, "source", None)
         return k
 
-    def _decide(self, obs: np.ndarray, counts: "LearnedK") -> tuple[int, float | None]:
-        """(k, stop level) of this network for one observation; its calls, clipped and non-finite inputs are
+    def _decide(self, obs: np.ndarray, counts: "LearnedK") -> tuple[int, "StopRule | None", str | None]:
+        """(k, stop rule, draft source) of this network for one observation; its calls, clipped and non-finite inputs are
         counted into `counts` (the policy that routed the decision here), whose `strict` applies."""
         x = np.asarray(obs, dtype=np.float64)
         if self._columns is not None:
@@ -335,14 +337,15 @@ class LearnedK(LengthPolicy):
                         names = [f for f, b in zip(self.features, bad) if b]
                         raise SpecPilotError(f"learned policy got a non-finite observation in {names[:4]}")
                     counts.non_finite += 1
-                    return 0, None
+                    return 0, None, None
                 x = np.where(self._still, self.mean, x)  # only pinned features held NaN / inf: ignored
                 clipped = np.minimum(np.maximum(x, self._lo), self._hi)
                 moved = float(np.abs(clipped - x) @ self._read_weight)
             if self.low is not None and moved > 0.0:
                 counts.out_of_range += 1
                 counts.clipped_by_feature += (clipped != x) & self._read
-        return self.actions.decode(int(np.argmax(self._forward(clipped))))
+        action = int(np.argmax(self._forward(clipped)))
+        return (*self.actions.decode(action), self.actions.source(action))
 
     def reset(self) -> None:
         for rule in self.defer.values():

@@ -38,7 +38,11 @@ CONTEXT_FEATURES = (
     "ngram_occurrences_log",
     "ngram_agreement",
 )
-FEATURES = HW_FEATURES + COST_FEATURES + ACCEPT_FEATURES + CONTEXT_FEATURES
+SOURCE_FEATURES = tuple(f"{s}_accept_ema" for s in ("lookup", "head", "extend")) + tuple(
+    f"last_source_{s}" for s in ("lookup", "head", "extend"))
+"""A hybrid drafter's per-source acceptance (each source's accepted / k, averaged as `accept_rate_ema`, 0.5 before its
+first step) and the source of the last drafting step (one-hot); constant for a drafter of one source."""
+FEATURES = HW_FEATURES + COST_FEATURES + ACCEPT_FEATURES + CONTEXT_FEATURES + SOURCE_FEATURES
 EMA = 0.3
 REPETITION_WINDOW = 128
 LOG_CAP = math.log1p(MATCH_CAP)
@@ -66,6 +70,8 @@ class ObservationBuilder:
             self._monitor = shared_monitor(self._device or str(state.buffer.device))
         self.ratios: list[float] = []
         self.accept_ema = 0.5
+        self.source_ema = {"lookup": 0.5, "head": 0.5, "extend": 0.5}
+        self.last_source: str | None = None
         self.last_k = 0
         self.last_accepted = 0
         self.confidence_last = 1.0
@@ -87,6 +93,10 @@ class ObservationBuilder:
             if len(self.ratios) > HISTORY:
                 del self.ratios[0]
             self.accept_ema += EMA * (step.accepted / step.k - self.accept_ema)
+            source = getattr(step, "source", None)
+            if source in self.source_ema:
+                self.source_ema[source] += EMA * (step.accepted / step.k - self.source_ema[source])
+                self.last_source = source
             draft_ms = 1000.0 * step.draft_s / step.k
             self.draft_ms = draft_ms if math.isnan(self.draft_ms) else self.draft_ms + EMA * (draft_ms - self.draft_ms)
         verify_ms = 1000.0 * step.verify_s / (step.k + 1)
@@ -125,6 +135,9 @@ class ObservationBuilder:
         v[at["accept_rate_ema"]] = self.accept_ema
         v[at["last_k_frac"]] = self.last_k / self.k_max
         v[at["last_accepted_frac"]] = self.last_accepted / self.k_max
+        for source, ema in self.source_ema.items():
+            v[at[f"{source}_accept_ema"]] = ema
+            v[at[f"last_source_{source}"]] = 1.0 if self.last_source == source else 0.0
         self._keys = []
         # a batch is described by the mean over its active rows (one sequence: that sequence)
         # the rows' own ids: a batch's last running row need not be row 0 (after the last step: every row)

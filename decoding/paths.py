@@ -129,8 +129,14 @@ def profile_path(device_key: str, draft_name: str | None = None, target: str | N
 
 def load_profile_path(device_key: str, draft_name: str, load: str, target: str | None = None) -> Path:
     """profiles/load/DEVICE-PAIR-load-LOAD.json: the cost profile measured beside a background load
-    (profile_device.py --background-load LOAD --out profiles/load), in the first root that holds it."""
-    return find_artifact(PROFILES / "load" / f"{device_key}-{pair_name(draft_name, target)}-load-{load}.json")
+    (profile_device.py --background-load LOAD --out profiles/load), in the first root that holds it. The hybrid
+    drafter's steps cost what the head's do (the same verify pass with hidden states, the same head tokens;
+    env/sources.py prices the lookup's), so without a profile of its own it reads the default head's."""
+    own = find_artifact(PROFILES / "load" / f"{device_key}-{pair_name(draft_name, target)}-load-{load}.json")
+    if draft_name == "hybrid" and not own.exists():
+        head = load_profile_path(device_key, "default", load, target)
+        return head if head.exists() else own
+    return own
 
 
 def policy_dir(device_key: str, draft_name: str, root: str | Path | None = None, target: str | None = None) -> Path:

@@ -212,6 +212,10 @@ class BanditK(LengthPolicy):
         return self.buckets.setdefault(batch, {"n": [0] * len(self.arms), "sum": [0.0] * len(self.arms)})
 
     def choose_k(self, obs) -> int:
+        return self.arms[self.pick(obs)]
+
+    def pick(self, obs) -> int:
+        """The index of the arm to play now (UCB over this batch size's statistics), remembered for `update`."""
         batch = batch_of(obs)
         b = self._bucket(batch)
         untried = [i for i, n in enumerate(b["n"]) if n == 0]
@@ -220,9 +224,9 @@ class BanditK(LengthPolicy):
         else:
             t, means = sum(b["n"]), [total / n for total, n in zip(b["sum"], b["n"])]
             best = max(max(means), 1e-12)
-            arm = max(range(len(self.arms)), key=lambda i: means[i] / best + self.c * math.sqrt(2 * math.log(t) / b["n"][i]))
+            arm = max(range(len(b["n"])), key=lambda i: means[i] / best + self.c * math.sqrt(2 * math.log(t) / b["n"][i]))
         self._last = (batch, arm)
-        return self.arms[arm]
+        return arm
 
     def update(self, step) -> None:
         if self._last is None or step.seconds <= 0:
@@ -255,28 +259,42 @@ class MatchLengthK(LengthPolicy):
 
 class ActionTable:
     """The actions of a policy that picks k and, inside the draft, a stop level (the top-1 probability below which a
-    model draft stops, `StopRule.min_confidence`; 0 = draft all k): one index per pair, action = level index x
-    (k_max + 1) + k. The first level is 0, so actions 0..k_max are k itself (a rule's k steps an env of any table)."""
+    model draft stops, `StopRule.min_confidence`; 0 = draft all k) and, for a drafter with several sources (the
+    hybrid's lookup, head, extend), the source: one index per triple, action = (source index x levels + level
+    index) x (k_max + 1) + k. The first level is 0 and the first source None (the policy's or the drafter's default,
+    `hybrid.ACTION_SOURCES`), so actions 0..k_max are k itself (a rule's k steps an env of any table)."""
 
-    def __init__(self, k_max: int, stop_levels=(0.0,)):
+    def __init__(self, k_max: int, stop_levels=(0.0,), sources=(None,)):
         levels = [float(v) for v in stop_levels]
         if not levels or levels[0] != 0.0 or len(set(levels)) != len(levels) or any(not 0.0 <= v < 1.0 for v in levels):
             raise SpecPilotError(f"stop levels must be distinct probabilities in [0, 1), the first 0 (actions 0..k_max "
                                  f"stay plain k), got {list(stop_levels)}")
-        self.stop_levels = levels
-        self.to_k = [k for _ in levels for k in range(k_max + 1)]
-        self.to_stop = [v for v in levels for _ in range(k_max + 1)]
+        sources = list(sources) or [None]
+        if len(set(sources)) != len(sources) or None in sources[1:]:
+            raise SpecPilotError(f"draft sources must be distinct names (None, the default, first only), got {sources}")
+        self.stop_levels, self.sources = levels, sources
+        self.to_k = [k for _ in sources for _ in levels for k in range(k_max + 1)]
+        self.to_stop = [v for _ in sources for v in levels for _ in range(k_max + 1)]
+        self.to_source = [s for s in sources for _ in levels for _ in range(k_max + 1)]
         self._rules = [StopRule(min_confidence=v) if v > 0 else None for v in self.to_stop]
 
     @classmethod
-    def of(cls, to_k: list[int], to_stop: list[float]) -> "ActionTable":
-        """The table a policy file lists (`action_to_k`, `action_to_stop`), checked against the layout above."""
+    def of(cls, to_k: list[int], to_stop: list[float], to_source: list | None = None) -> "ActionTable":
+        """The table a policy file lists (`action_to_k`, `action_to_stop`, `action_to_source`), checked against the
+        layout above."""
         k_max = max(to_k)
         levels = list(dict.fromkeys(to_stop))
-        table = cls(k_max, levels)
-        if table.to_k != list(to_k) or table.to_stop != list(to_stop):
-            raise SpecPilotError("action_to_k / action_to_stop do not follow the layout level x (k_max + 1) + k")
+        sources = list(dict.fromkeys(to_source)) if to_source else [None]
+        table = cls(k_max, levels, sources)
+        if table.to_k != list(to_k) or table.to_stop != list(to_stop) or (to_source and table.to_source != list(to_source)):
+            raise SpecPilotError("action_to_k / action_to_stop / action_to_source do not follow the layout "
+                                 "(source x levels + level) x (k_max + 1) + k")
         return table
+
+    def source(self, action: int, default: str | None = None) -> str | None:
+        """The draft source of an action (`default` for a table without sources, or an int beyond the table)."""
+        a = int(action)
+        return self.to_source[a] if 0 <= a < len(self.to_source) and self.to_source[a] is not None else default
 
     def __len__(self) -> int:
         return len(self.to_k)

@@ -25,7 +25,8 @@ from .policies import (
 POLICY_HELP = ("none | static:K | heuristic | confidence:P[:K] (p-min) | transformers-roc[:T[:K]] | entropy:H[:K] (SVIP) | "
                "adaedl[:GAMMA[:LAMBDA0[:K]]] | bandit-ucb[:K1/K2/..[:C]] | match:N[:K] | sglang-adaptive[:C1/C2/..[:ALPHA]] | "
                "trtllm:B=K/B=K/..[:WINDOW:THRESHOLD] | with --draft hybrid: source:lookup|head|extend:K[:P], hybrid-sam[:N[:KL[:KH[:P]]]] "
-               "(SAM-Decoding), hybrid-score[:KL[:KH[:P]]] (Arctic Inference) | best-rule | rule:FAMILY (tuned on the train split) | learned | learned:PATH "
+               "(SAM-Decoding), hybrid-score[:KL[:KH[:P]]] (Arctic Inference), hybrid-best[:KL[:KH[:P]]] (llama.cpp's best-of-"
+               "speculators), hybrid-ucb[:S=K/S=K/..[:C]] (MetaSD's bandit) | best-rule | rule:FAMILY (tuned on the train split) | learned | learned:PATH "
                "| learned-mlp[:PATH] (the MLP alone, without its deferred rules) | learned-idle-counters[:PATH] (its hardware "
                "counters pinned to its device profile's idle ones: an ablation) (benchmark also: oracle, batch-table)")
 

@@ -54,6 +54,10 @@ class Trace:
     ngram_n: int = 0
     """The n of the prompt-lookup draft that recorded it (`ngram:N`; 0: a model draft): the replay recomputes
     that drafter's match statistics from the tokens."""
+    sources: dict[str, dict[str, list]] = field(default_factory=dict)
+    """A hybrid drafter's trace (`--draft hybrid`): the fields above are its lookup's, and here each other source
+    ('head', 'extend') has its own `matches`, `available`, `confidences` and `entropies` at every position
+    (`env.sources.source_view`), so that a replay or the oracle prices any choice of source per step."""
 
 
 @torch.inference_mode()
@@ -70,27 +74,42 @@ def record_trace(target, draft, prompt_ids: list[int], max_new_tokens: int, k_ma
     hidden = None
     if draft.needs_hidden:  # the target's last hidden states, as the loop would hand them over
         hidden = hidden_features(target.model(input_ids=full[None], output_hidden_states=True).hidden_states, draft)[0]
+    hybrid = getattr(draft, "lookup", None) is not None and hasattr(draft, "head")  # decoding.hybrid.HybridDrafter
     draft.reset(full[:n_prompt])
-    matches, available, confidences, entropies, match_lens = [], [], [], [], []
+    found = {source: proposals(draft, full, n_prompt, output, hidden, k_max, source if hybrid else None)
+             for source in (("lookup", "head", "extend") if hybrid else (None,))}
+    main = found.pop("lookup" if hybrid else None)
+    return Trace(question_id, category, list(prompt_ids), output, main["matches"], main["available"],
+                 main["confidences"], main["entropies"], main.pop("match_lens"), k_max,
+                 ngram_n=draft.lookup.max_n if hybrid else draft.max_n if isinstance(draft, NgramDrafter) else 0,
+                 sources={source: {key: value for key, value in rows.items() if key != "match_lens"}
+                          for source, rows in found.items()})
+
+
+def proposals(draft, full: torch.Tensor, n_prompt: int, output: list[int], hidden, k_max: int,
+              source: str | None = None) -> dict[str, list]:
+    """The draft's greedy K-token proposal at every position of `output` (from `source`, a hybrid's), checked
+    against the output: {matches, available, confidences, entropies, match_lens}, one entry per position."""
+    rows = {"matches": [], "available": [], "confidences": [], "entropies": [], "match_lens": []}
     greedy = Sampling()
     for i in range(len(output)):
         context = full[: n_prompt + i]
         at = context.shape[0] - 2  # the last position the target has processed before this step
+        kwargs = {"source": source} if source else {}
         proposal = draft.propose(context, k_max, greedy, None,
-                                 target_hidden=hidden[at : at + 1] if hidden is not None and at >= 0 else None)
+                                 target_hidden=hidden[at : at + 1] if hidden is not None and at >= 0 else None, **kwargs)
         tokens = proposal.tokens.tolist()
         truth = output[i : i + k_max]
         m = 0
         while m < min(len(tokens), len(truth)) and tokens[m] == truth[m]:
             m += 1
-        matches.append(m)
-        available.append(len(tokens))
-        confidences.append([round(c, 4) for c in proposal.confidences])
-        entropies.append([round(e, 4) for e in proposal.entropies])
-        match_lens.append(proposal.match_len)
+        rows["matches"].append(m)
+        rows["available"].append(len(tokens))
+        rows["confidences"].append([round(c, 4) for c in proposal.confidences])
+        rows["entropies"].append([round(e, 4) for e in proposal.entropies])
+        rows["match_lens"].append(proposal.match_len)
         draft.rollback(n_prompt + i)
-    return Trace(question_id, category, list(prompt_ids), output, matches, available, confidences, entropies, match_lens, k_max,
-                 ngram_n=draft.max_n if isinstance(draft, NgramDrafter) else 0)
+    return rows
 
 
 def save_traces(traces: list[Trace], path: str | Path, meta: dict) -> None:
@@ -358,7 +377,10 @@ def truncate(trace: Trace, n: int) -> Trace:
         return trace
     return Trace(trace.question_id, trace.category, trace.prompt_ids, trace.output_ids[:n],
                  [min(m, n - i - 1) for i, m in enumerate(trace.matches[:n])], trace.available[:n],
-                 trace.confidences[:n], trace.entropies[:n], trace.match_lens[:n], trace.k_max, trace.ngram_n)
+                 trace.confidences[:n], trace.entropies[:n], trace.match_lens[:n], trace.k_max, trace.ngram_n,
+                 {source: {"matches": [min(m, n - i - 1) for i, m in enumerate(rows["matches"][:n])],
+                           **{key: rows[key][:n] for key in ("available", "confidences", "entropies")}}
+                  for source, rows in trace.sources.items()})
 
 
 class OracleK(LengthPolicy):

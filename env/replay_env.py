@@ -43,6 +43,7 @@ from specpilot.decoding.prompts import batches_of
 
 from .episode import EpisodeStats, PlainCredit, step_reward
 from .oracle import CostModel, Trace
+from .sources import SourceView, head_tokens, source_view
 
 
 class FixedMonitor:
@@ -129,7 +130,7 @@ class ReplayEnv(gym.Env):
                  hardware: np.ndarray | None = None, max_new_tokens: int | None = None, reward: str = "saved",
                  batch_sizes: tuple[int, ...] | list[int] = (1,), speed_jitter: float = 1.0,
                  context_lens: tuple[int, ...] | list[int] = (), conditions: list[MachineCondition] = (),
-                 hardware_noise: float = 0.0, cost_jitter: float = 0.0, stop_levels=(0.0,)):
+                 hardware_noise: float = 0.0, cost_jitter: float = 0.0, stop_levels=(0.0,), sources=(None,)):
         super().__init__()
         if not traces:
             raise SpecPilotError("ReplayEnv needs at least one trace")
@@ -168,12 +169,18 @@ class ReplayEnv(gym.Env):
         # plain decoding priced by the episode's cost model (its machine condition), at this episode's speed
         self.credit = PlainCredit(lambda context, batch: self.speed * float(self.cost.step_costs(context, batch)[0][0]))
         # an action is k, or with several stop levels (k, the top-1 probability below which the draft stops)
-        self.actions = ActionTable(k_max, stop_levels)
+        # ... and for a hybrid drafter's traces (env.sources) with `sources`, (source, k, stop level) triples
+        self.actions = ActionTable(k_max, stop_levels, sources)
+        if tuple(sources) != (None,) and not all(t.sources for t in traces):
+            raise SpecPilotError("actions over draft sources need the hybrid drafter's traces (profile_device.py --draft hybrid)")
         self.action_space = gym.spaces.Discrete(len(self.actions))
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state: ReplayState | None = None
         self.stop: StopRule | None = None
         """The stop rule inside the draft for the next step (`replay_episode` sets the policy's before each step)."""
+        self.source: str | None = None
+        """A hybrid drafter's source for the next step (`replay_episode` sets the policy's; None: its default),
+        read from the traces' `sources` (env.sources); ignored by the traces of a single draft."""
 
     def _row(self, trace: Trace) -> ReplayRow:
         budget = len(trace.output_ids) if self.max_new_tokens is None else self.max_new_tokens
@@ -234,10 +241,12 @@ class ReplayEnv(gym.Env):
         (tokens, stopped) take the same step (the warm start's rollouts run one of them)."""
         state = self.state
         asked, stop = self.actions.decode(action, self.stop)
+        source = self.actions.source(action, self.source)
         k = max(0, min(asked, state.remaining - 1))
         stopped = False  # the draft ran one more step than it kept: the one whose token it stopped before
         if stop is not None and k:
-            k, stopped = stop_depth(stop, [(r.trace, r.length - r.prompt_len) for r in state.active_rows], k)
+            k, stopped = stop_depth(stop, [(source_view(r.trace, source), r.length - r.prompt_len)
+                                           for r in state.active_rows], k)
         return asked, k, stopped
 
     def step(self, action):
@@ -247,21 +256,25 @@ class ReplayEnv(gym.Env):
         rows = state.active_rows
         batch = len(rows)
         asked, k, stopped = self.draft_length(action)
+        source = self.actions.source(action, self.source)  # the action's, else the policy's (replay_episode)
         drafted_rows, accepted_rows, new_rows = [], [], []
-        for r in rows:
+        views = [source_view(r.trace, source) for r in rows]
+        for r, view in zip(rows, views):
             i = r.length - r.prompt_len
-            drafted = min(k, r.trace.available[i])
+            drafted = min(k, view.available[i])
             drafted_rows.append(drafted)
-            accepted_rows.append(min(drafted, r.trace.matches[i]))
+            accepted_rows.append(min(drafted, view.matches[i]))
         drafted = max(drafted_rows)  # rows with fewer proposals are padded to the widest
         context = sum(r.context_len for r in rows) / batch  # what the observation reads (as the real loop's step)
         table, draft_per_token = self.cost.step_costs(state.width, batch)  # what the step costs
         noise = float(np.exp(self.noise * self.np_random.standard_normal())) if self.noise else 1.0
         noise *= self.speed
         extra = draft_per_token * noise if stopped else 0.0
-        seconds = table[drafted] * self.shape[drafted] * noise + extra
-        draft_s = min(draft_per_token * drafted * noise + extra, seconds)
         first = rows[0].trace, rows[0].length - rows[0].prompt_len
+        # a hybrid's drafting is priced by its source (env.sources: lookup tokens free, copied ones read by the head)
+        head = head_tokens(first[0], source, first[1], drafted)
+        seconds = (table[drafted] - draft_per_token * (drafted - head)) * self.shape[drafted] * noise + extra
+        draft_s = min(draft_per_token * head * noise + extra, seconds)
         positions = [r.length - r.prompt_len for r in rows]  # each row's position before this step
         for r, accepted in zip(rows, accepted_rows):
             n_new = min(accepted + 1, r.end - (r.length - r.prompt_len))
@@ -273,10 +286,11 @@ class ReplayEnv(gym.Env):
                           accepted=accepted_rows[0] if batch == 1 else sum(accepted_rows) / batch,
                           new_tokens=[t for new in new_rows for t in new],
                           draft_s=draft_s, verify_s=seconds - draft_s,
-                          confidences=batch_means([(r.trace.confidences, p) for r, p in zip(rows, positions)], drafted),
-                          entropies=batch_means([(r.trace.entropies, p) for r, p in zip(rows, positions)], drafted),
+                          confidences=batch_means([(v.confidences, p) for v, p in zip(views, positions)], drafted),
+                          entropies=batch_means([(v.entropies, p) for v, p in zip(views, positions)], drafted),
                           match_len=trace.match_lens[i] if trace.match_lens else 0, context_len=round(context),
-                          accepted_rows=accepted_rows, new_rows=new_rows)
+                          accepted_rows=accepted_rows, new_rows=new_rows,
+                          source=(source or "extend") if trace.sources and drafted else None)
         state.width += max(accepted_rows) + 1
         state.active = [j for j in state.active if not state.rows[j].done]
         self.observer.push(step)
@@ -294,7 +308,7 @@ class ReplayEnv(gym.Env):
         return self.observer.build(state), float(reward), state.done, False, info
 
 
-def stop_depth(stop: StopRule, rows: list[tuple[Trace, int]], k: int) -> tuple[int, bool]:
+def stop_depth(stop: StopRule, rows: list[tuple[Trace | SourceView, int]], k: int) -> tuple[int, bool]:
     """(tokens, stopped): how many tokens a batch's model draft proposes under `stop` when asked for k, and whether it
     stopped early (then it ran one draft step more than it kept). It stops before depth d when every row would
     (`StopRule.stops`) by its trace's draft probability and entropy there; a row whose trace has no token at depth d
@@ -357,9 +371,10 @@ def replay_episode(env: ReplayEnv, policy, trace_indices: list[int], context_len
     while not done:
         k = policy.choose_k(obs)
         env.stop = getattr(policy, "stop", None)  # read after choose_k, as the real loop does
+        env.source = getattr(policy, "source", None)
         obs, _, done, _, _ = env.step(k)
         policy.update(env.last_step)
-    env.stop = None
+    env.stop = env.source = None
     return env.episode
 
 

@@ -53,6 +53,7 @@ class SpecDecodeEnv(gym.Env):
         loads: tuple[str, ...] | list[str] = ("none",),
         plain_speeds: dict[str, PlainSpeed] | None = None,
         stop_levels=(0.0,),
+        sources=(None,),
     ):
         super().__init__()
         if target is None:  # gym.make with no arguments: the embedded pair
@@ -86,12 +87,15 @@ class SpecDecodeEnv(gym.Env):
         self.observer = observer or ObservationBuilder(k_max)
         self.credit = PlainCredit(lambda context, rows: self.plain_speed.step_seconds(context, rows))
         # an action is k, or with several stop levels (k, the top-1 probability below which the draft stops)
-        self.actions = ActionTable(k_max, stop_levels)
+        # ... and for a drafter with several sources (the hybrid's) with `sources`, (source, k, stop level) triples
+        self.actions = ActionTable(k_max, stop_levels, sources)
         self.action_space = gym.spaces.Discrete(len(self.actions))
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(len(self.observer.names),), dtype=np.float32)
         self.state = None
         self.stop = None
         """The stop rule inside the draft for the next step (a `decoding.drafters.StopRule`; None: draft all k)."""
+        self.source: str | None = None
+        """The draft source of the next step for a hybrid drafter, unless the action names one (None: its default)."""
         self.prompt: Prompt | None = None
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -134,7 +138,7 @@ class SpecDecodeEnv(gym.Env):
         if self.state is None or self.state.done:
             raise SpecPilotError("call reset() before step() (the episode has ended)")
         k, stop = self.actions.decode(action, self.stop)
-        step = speculative_step(self.state, k, stop=stop)
+        step = speculative_step(self.state, k, stop=stop, source=self.actions.source(action, self.source))
         self.observer.push(step)
         tokens, batch = len(step.new_tokens), step.batch_size
         seconds = max(step.seconds, 1e-9)

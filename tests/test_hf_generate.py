@@ -42,8 +42,11 @@ def plain(model, inputs, **kwargs):
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("draft,policy", [("ngram", "learned"), ("ngram", "static:4"), ("default", "static:2"),
-                                          ("default", "learned"),  # the head's policy: k and a stop level per step
+@pytest.mark.parametrize("draft,policy", [("ngram", "learned-idle-counters"), ("ngram", "static:4"), ("default", "static:2"),
+                                          # the head's policy: k and a stop level per step (its counters pinned to
+                                          # the idle profile's, so that what it drafts does not hang on this
+                                          # machine's load: a loaded machine may rightly be told k = 0 throughout)
+                                          ("default", "learned-idle-counters"),
                                           ("ngram", "best-rule"), ("default", "best-rule")])  # the tuned engine rules
 def test_one_prompt_is_token_identical_to_transformers_greedy(hf, draft, policy):
     model, tokenizer, texts = hf
@@ -52,7 +55,7 @@ def test_one_prompt_is_token_identical_to_transformers_greedy(hf, draft, policy)
     out = model.generate(**inputs, do_sample=False, max_new_tokens=32, custom_generate=specpilot_generate, draft=draft,
                          policy=policy, return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert out.speculation["policy"] == policy.split(":")[0] if policy == "learned" else out.speculation["policy"] == policy
+    assert out.speculation["policy"] == policy
     assert sum(out.speculation["ks"]) > 0  # it did speculate: the identity covers drafted and verified tokens
 
 

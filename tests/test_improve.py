@@ -145,10 +145,14 @@ def test_behaviour_cloning_of_the_oracle_recovers_its_k_where_the_features_decid
     good = data.obs[:, match] >= 3
     assert (data.regret[good, K] == 0).mean() > 0.9 and (data.regret[~good, 0] == 0).mean() > 0.9
     policy = as_policy(*fit(data, [32, 32], epochs=150), "tanh", K)
-    for o in data.obs:
+    started = data.obs[:, FEATURES.index("remaining_frac")] < 1.0  # a row's first state reads alike in every trace
+    for o in data.obs[started]:  # (no history yet), while its best k differs by where the trace's stretch starts
         assert policy.choose_k(o) == (K if o[match] >= 3 else 0)
-    scores = replay_evaluate({"learned": policy, "oracle": OracleK(data_traces, c, K)}, data_traces, c, K, None, 1, 36)
-    assert scores["learned"]["fraction_of_oracle"] == pytest.approx(1.0, abs=0.02)
+    scores = replay_evaluate({"learned": policy, "oracle": OracleK(data_traces, c, K), "base": StaticK(1)},
+                             data_traces, c, K, None, 1, 36)
+    # the first state's k is a guess (least regret on average: 0 or K, as the fit's start falls), worth up to ~6% of
+    # these 36-token rows; every later state's is the oracle's
+    assert scores["learned"]["fraction_of_oracle"] >= 0.93 > scores["base"]["fraction_of_oracle"] + 0.1
     with pytest.raises(SpecPilotError, match="'rollout' or 'oracle'"):
         collect(StaticK(1), data_traces, c, K, None, [1], {1: 1}, 36, progress=False, labels="dp")
 
