@@ -26,6 +26,7 @@ def _by_key(runs):
     return {(r.policy, r.batch_size, r.batch_index, r.repeat): r.token_ids for r in runs}
 
 
+@pytest.mark.slow  # (10-30 s of real decoding; CI runs it, the default suite keeps under 8 min)
 def test_an_interrupted_benchmark_resumes_where_it_stopped(embedded_target, tmp_path, monkeypatch):
     full = _by_key(_plan(embedded_target, tmp_path / "full.jsonl"))
     assert len(full) == 12  # 2 repeats x (2 batches of one + 1 of two) x 2 policies
@@ -94,6 +95,7 @@ def test_the_order_warning_fires_exactly_when_some_policy_misses_a_position():
     assert "batch size 8 " in benchmark.order_imbalance(3, [10, 1], [1, 8], 5)
 
 
+@pytest.mark.slow  # (10-30 s of real decoding; CI runs it, the default suite keeps under 8 min)
 def test_each_load_settles_before_its_first_timed_batch(embedded_target, monkeypatch):
     """After a background load starts (each repeat switches loads), an untimed plain decode runs before the first
     timed batch: without it the first policy of a load ran 13-43% slower than in its other batches."""

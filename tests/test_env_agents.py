@@ -106,18 +106,22 @@ def train_args(dirs, out, timesteps, *extra):
 @pytest.fixture(scope="module")
 def trained(tiny_model_dirs, tmp_path_factory, tiny_env_parts):
     """A 96-step real-loop PPO run on the tiny pair. Its reward is measured seconds, so whether 96 steps end on a
-    policy that drafts is chance (about one run in three drafts nothing, which would leave the lossless check
-    below without a drafted token): the first of four seeds whose policy drafts on the probe prompts is kept."""
+    policy that drafts is chance (about one run in three drafts nothing, and a policy near its boundary drafts in one
+    round and not the next, as its inputs are live): four seeds are trained (2 s each) and the one that drafts the most
+    tokens over three rounds of the probe prompts is kept, so the lossless check below sees drafted tokens."""
     from specpilot.agents.train_cli import train_main
 
     target, draft, _ = tiny_env_parts
+    best, best_drafted = None, -1
     for seed in range(4):
         out = tmp_path_factory.mktemp(f"policies-seed{seed}")
         assert train_main(train_args(tiny_model_dirs, out, 96, "--no-track", "--seed", str(seed))) == 0
         policy = LearnedK.load(policy_dir(out) / "policy.json")
-        if any(s.k for text in PROBES for s in generate(target, draft, policy, target.encode(text, chat=True), 20).steps):
-            return out
-    return out  # (the test below then fails, naming the reason)
+        drafted = sum(s.k for _ in range(3) for text in PROBES
+                      for s in generate(target, draft, policy, target.encode(text, chat=True), 20).steps)
+        if drafted > best_drafted:
+            best, best_drafted = out, drafted
+    return best  # (when none drafts, the test below fails, naming the reason)
 
 
 PROBES = ("reverse a string", "one two three one two three one two")
@@ -477,6 +481,7 @@ def test_missing_policy_file(tmp_path):
         LearnedK.load(tmp_path / "nope" / "policy.json")
 
 
+@pytest.mark.slow  # (~45 s: profile then three training phases; CI runs it, the default suite keeps under 8 min)
 def test_train_replay_then_real(tiny_model_dirs, tmp_path, monkeypatch):
     """--env both: pre-train on the replay env (profile + traces), fine-tune on the real loop."""
     from specpilot.agents.train_cli import train_main

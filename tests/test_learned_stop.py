@@ -93,7 +93,7 @@ def test_the_warm_start_learns_to_stop_where_confidence_predicts_acceptance():
 
     def fitted(levels):
         layers, norm, _ = improve_policy(StaticK(2), traces, cost, K_MAX, None, [1], {1: len(traces)}, 40, 1,
-                                         [32], "tanh", epochs=150, seed=0, progress=False, stop_levels=levels)
+                                         [32], "tanh", epochs=300, seed=0, progress=False, stop_levels=levels)
         return as_policy(layers, norm, "tanh", K_MAX, stop_levels=levels)
 
     with_stop, k_only = fitted(LEVELS), fitted([0.0])
@@ -101,7 +101,8 @@ def test_the_warm_start_learns_to_stop_where_confidence_predicts_acceptance():
     policies.update({"with-stop": with_stop, "k-only": k_only})
     speed = {name: row["speedup"] for name, row in replay_evaluate(policies, traces, cost, K_MAX).items()}
     best_static = max(speed[f"static:{k}"] for k in range(K_MAX + 1))
-    assert speed["with-stop"] > 1.02 * best_static  # (measured: 1.848 against static:2's 1.777)
+    assert speed["with-stop"] > 1.02 * best_static  # (static:2's 1.777; 300 passes of the fit since the observation
+    # gained the hybrid's source features: 150 left it at 1.811)
     assert speed["with-stop"] > 1.05 * speed["k-only"]  # (1.676: the runs are independent, k alone cannot follow them)
 
 

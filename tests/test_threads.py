@@ -52,6 +52,7 @@ def test_apply_sets_torch_threads_only_when_the_machine_changes():
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # (10-30 s of real decoding; CI runs it, the default suite keeps under 8 min)
 @pytest.mark.skipif(cpu_cores() < 2, reason="one core: no thread to give up")
 def test_beside_a_real_load_the_loop_gives_up_a_thread_and_keeps_its_tokens(embedded_target):
     assert isinstance(embedded_target.threads, ThreadGovernor)  # load_target's default on the CPU
