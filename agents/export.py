@@ -183,8 +183,18 @@ def env_actions(venv) -> ActionTable:
     return table
 
 
-def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | None = None, n: int = 512) -> float:
-    """Fraction of observations on which the export agrees with SB3 (must be 1.0, else an error)."""
+def sb3_near_ties(model, normalized_obs: np.ndarray, tie: float = 1e-4) -> np.ndarray:
+    """Rows on which SB3's two best action logits are within `tie` of each other."""
+    with torch.no_grad():
+        obs_t, _ = model.policy.obs_to_tensor(normalized_obs)
+        top2 = np.sort(model.policy.get_distribution(obs_t).distribution.logits.cpu().numpy(), axis=-1)[:, -2:]
+    return (top2[:, 1] - top2[:, 0]) <= tie
+
+
+def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | None = None, n: int = 512,
+                 tie: float = 1e-4) -> float:
+    """Fraction of observations on which the export picks SB3's action; an error unless every disagreement is a
+    near-tie of SB3's own two best logits (within `tie`: float32 rounding of the same network may flip it)."""
     rng = np.random.default_rng(0)
     std = np.sqrt(venv.obs_rms.var)
     synthetic = venv.obs_rms.mean + std * rng.standard_normal((n, len(FEATURES)))
@@ -194,7 +204,10 @@ def check_export(model, venv, meta_path: Path, device: str, obs: np.ndarray | No
     sb3_actions, _ = model.predict(venv.normalize_obs(batch), deterministic=True)
     learned = LearnedK.load(meta_path, device=device)
     ours = np.argmax(learned.logits(batch), axis=-1)
-    agree = float(np.mean(ours == sb3_actions))
-    if agree < 1.0:
-        raise SpecPilotError(f"export check failed: the exported policy agrees with SB3 on {agree:.1%} of observations")
-    return agree
+    differ = ours != sb3_actions
+    near_tie = sb3_near_ties(model, venv.normalize_obs(batch), tie)
+    if np.any(differ & ~near_tie):
+        agree = float(np.mean(~differ))
+        raise SpecPilotError(f"export check failed: the exported policy agrees with SB3 on {agree:.1%} of observations "
+                             f"({int(np.sum(differ & ~near_tie))} disagreements are not near-ties)")
+    return float(np.mean(~differ))
