@@ -97,7 +97,10 @@ def run_batch_benchmark(
     for b in batch_sizes:
         first = next(idx for size, _, idx in plan if size == b)
         own = [n for n in names if getattr(policies[n], "drafter", None) is not None]  # DRAFT@POLICY: its drafter too
-        for name in dict.fromkeys(names[-1:] + own):
+        for name in dict.fromkeys(names[-1:] + own + [n for n in names if hasattr(policies[n], "run_engine")]):
+            if hasattr(policies[name], "run_engine"):
+                policies[name].run_engine(target, encoded[first[0]], 8)
+                continue
             generate(target, drafter_of(policies[name], draft), policies[name], [encoded[x] for x in first], 8, sampling)
     signature = {"policies": names, "prompts": [p.question_id for p in prompts], "batch_sizes": list(batch_sizes),
                  "max_new_tokens": max_new_tokens, "repeats": repeats, "loads": loads, "sampling": asdict(sampling),
@@ -166,6 +169,13 @@ def _run_one(target, draft, policy, name, prompts, encoded, b, i, idx, r, max_ne
     if hasattr(policy, "prepare") and b == 1:  # the oracle replays this prompt's schedule
         policy.prepare(prompts[idx[0]].question_id)
     rows = [encoded[x] for x in idx]
+    if hasattr(policy, "run_engine"):  # the engine's own decoding (decoding/llama_cpp.py EngineDecoding)
+        if b != 1 or not sampling.greedy:
+            raise SpecPilotError(f"policy '{name}' (llama.cpp's own decoding) runs greedy, one prompt at a time")
+        ids, seconds, rounds = policy.run_engine(target, rows[0], max_new_tokens)
+        return BatchRun(name, b, i, [prompts[x].question_id for x in idx], r, len(ids), seconds,
+                        len(ids) - sum(a for _, a in rounds), sum(k for k, _ in rounds), sum(a for _, a in rounds), 0.0,
+                        [k for k, _ in rounds], [ids], prompts[idx[0]].category, load)
     result = generate(target, drafter_of(policy, draft) if policy.k_max > 0 else None, policy, rows[0] if b == 1 else rows,
                       max_new_tokens, sampling, seed=r)
     s = result.stats

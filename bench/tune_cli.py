@@ -46,8 +46,11 @@ FAMILIES = ("static", "heuristic", "batch-table", "match", "sglang-adaptive", "t
 class TuneConfig(ReplayInputs):
     """Tune the engines' k rules on the train split (replay env, noise-free) for one device and draft."""
 
+    target: str = "embedded"
+    """The target whose profile, traces and rules these are (see generate --target; e.g. llama.cpp:embedded, whose
+    artifacts are keyed apart from the torch loop's)."""
     profile: str | None = None
-    """Cost profile (default: the device's)."""
+    """Cost profile (default: the device's for --target and --draft)."""
     traces: str | None = None
     """Acceptance traces (default: the draft's at --temperature); only their train split is used."""
     temperature: float = 0.0
@@ -165,9 +168,9 @@ def tune_main(argv: list[str] | None = None) -> int:
     cfg.device = artifact_key(cfg.device)  # 'cpu' -> this CPU's machine key
     at_least(1, max_new_tokens=cfg.max_new_tokens, k_max=cfg.k_max)
     sizes = parse_ints(cfg.batch_sizes, "--batch-sizes")
-    source = Path(cfg.profile) if cfg.profile else profile_path(cfg.device, cfg.draft)
+    source = Path(cfg.profile) if cfg.profile else profile_path(cfg.device, cfg.draft, cfg.target)
     profile = load_profile(source)
-    traces, meta = load_draft_traces(cfg.traces or traces_path(cfg.draft, cfg.temperature), cfg.draft, cfg.max_new_tokens,
+    traces, meta = load_draft_traces(cfg.traces or traces_path(cfg.draft, cfg.temperature, cfg.target), cfg.draft, cfg.max_new_tokens,
                                      cfg.temperature)
     traces = [truncate(t, cfg.max_new_tokens) for t in train_traces(traces, meta)]
     if max(sizes) > 1 and not profile.get("batch_sizes"):
@@ -175,10 +178,10 @@ def tune_main(argv: list[str] | None = None) -> int:
     warn(CostModel.from_profile(profile).outside(sizes))
     result = tune_rules(traces, profile, cfg.draft, cfg.k_max, profile_hardware(profile), sizes, cfg.max_new_tokens,
                         cfg.progress)
-    out = Path(cfg.out) if cfg.out else rules_path(cfg.device, cfg.draft, cfg.temperature, output_dir("policies"))
+    out = Path(cfg.out) if cfg.out else rules_path(cfg.device, cfg.draft, cfg.temperature, output_dir("policies"), cfg.target)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = BatchTableK.from_profile(profile, traces, cfg.k_max).table  # what `batch-table` means in these rules
-    doc = {"device": cfg.device, "draft": cfg.draft, "temperature": cfg.temperature, "split": "train", "traces": len(traces),
+    doc = {"device": cfg.device, "draft": cfg.draft, "target": cfg.target, "temperature": cfg.temperature, "split": "train", "traces": len(traces),
            "profile": relative(source), "max_new_tokens": cfg.max_new_tokens, "k_max": cfg.k_max,
            "note": "per batch size, each engine rule's best spelling on the train-split replay (noise-free); "
                    "best_rule: the best of them; batch_table: vLLM's batch-table rule built from this profile", **result,

@@ -217,9 +217,6 @@ def start(
 
     `prompt_ids`: one prompt (a list of ids or a 1-D tensor) or a batch (a list of such lists).
     """
-    # transformers loads in seconds: only when a model runs
-    from transformers import DynamicCache
-
     prompts, batched = _as_rows(prompt_ids)
     if not prompts:
         raise SpecPilotError("no prompts given")
@@ -243,7 +240,7 @@ def start(
         generator.manual_seed(0 if seed is None else seed)
     state = DecodeState(
         target=target, draft=draft, sampling=sampling, rows=rows,
-        cache=DynamicCache(config=target.model.config), generator=generator,
+        cache=target.new_cache(), generator=generator,
         active=list(range(len(rows))), batched=batched,
     )
     if draft is not None and batched and not hasattr(draft, "propose_batch"):

