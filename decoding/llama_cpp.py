@@ -218,15 +218,17 @@ class CountingLookup:
 
 @dataclass
 class EngineDecoding:
-    """A benchmark row that is llama-cpp-python's own decoding, not the loop: `engine` (plain `Llama.generate`)
-    or `engine-lookup:N` (its `LlamaPromptLookupDecoding`, `num_pred_tokens` N, default 10, as its README
-    shows). Greedy, one row, a llama.cpp target; the lookup runs on a second `Llama` of the same GGUF (llama-cpp-
+    """A benchmark row that is llama-cpp-python's own decoding, not the loop: `engine` (plain `Llama.generate`),
+    `engine-lookup:N` (its `LlamaPromptLookupDecoding`, `num_pred_tokens` N, default 10, as its README
+    shows) or `engine-specpilot:POLICY` (its speculation with k from a specpilot policy: SpecPilotDraftModel). Greedy, one row, a llama.cpp target; the lookup runs on a second `Llama` of the same GGUF (llama-cpp-
     python keeps every position's logits when a draft model is set)."""
 
     num_pred_tokens: int = 0
     name: str = "engine"
     k_max: int = 0
     stop = None
+    draft_model: object = None
+    """`engine-specpilot:POLICY`: a SpecPilotDraftModel (decoding/llama_draft.py) instead of the prompt lookup."""
     _llm: object = None
 
     def reset(self) -> None:
@@ -242,22 +244,30 @@ class EngineDecoding:
         """(tokens, seconds, [(k, accepted) per drafted round]) of this engine decoding `prompt`."""
         if not isinstance(target, LlamaCppTarget):
             raise SpecPilotError(f"policy '{self.name}' is llama.cpp's own decoding: it needs --target llama.cpp:...")
-        if not self.num_pred_tokens:
+        if not self.num_pred_tokens and self.draft_model is None:
             tokens, seconds = engine_generate(target.model.llm, prompt, max_new_tokens, target.eos_ids)
             return tokens, seconds, []
         if self._llm is None:
-            self._llm = open_llama(target.model.config.gguf, n_ctx=target.context_window,
-                                   draft_model=CountingLookup(self.num_pred_tokens))
-        self._llm.draft_model.reset()
+            draft = self.draft_model if self.draft_model is not None else CountingLookup(self.num_pred_tokens)
+            self._llm = open_llama(target.model.config.gguf, n_ctx=target.context_window, draft_model=draft)
+        if self.draft_model is None:
+            self._llm.draft_model.reset()
+        else:  # it starts a new sequence by itself; its budget is the run's
+            self.draft_model.max_new_tokens = max_new_tokens
         tokens, seconds = engine_generate(self._llm, prompt, max_new_tokens, target.eos_ids)
-        return tokens, seconds, list(self._llm.draft_model.record)
+        rounds = self._llm.draft_model.rounds if self.draft_model is not None else self._llm.draft_model.record
+        return tokens, seconds, list(rounds)
 
 
-def engine_policy(text: str) -> EngineDecoding:
-    """`engine` or `engine-lookup[:N]` (see EngineDecoding)."""
+def engine_policy(text: str, inner=None) -> EngineDecoding:
+    """`engine`, `engine-lookup[:N]` or `engine-specpilot:POLICY` (`inner`: that policy, built by policy_spec)."""
     name, _, arg = text.strip().partition(":")
     if name == "engine" and not arg:
         return EngineDecoding()
+    if name == "engine-specpilot" and inner is not None:
+        from .llama_draft import SpecPilotDraftModel  # the loop's drafter and observations
+
+        return EngineDecoding(name=text.strip(), draft_model=SpecPilotDraftModel(inner))
     if name == "engine-lookup":
         try:
             n = int(arg or 10)
@@ -265,4 +275,5 @@ def engine_policy(text: str) -> EngineDecoding:
             n = 0
         if n >= 1:
             return EngineDecoding(num_pred_tokens=n, name=f"engine-lookup:{n}")
-    raise SpecPilotError(f"'{text}': llama.cpp's own decoding is `engine` or `engine-lookup:N` (N >= 1)")
+    raise SpecPilotError(f"'{text}': llama.cpp's own decoding is `engine`, `engine-lookup:N` (N >= 1) or "
+                         "`engine-specpilot:POLICY`")

