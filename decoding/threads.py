@@ -25,13 +25,16 @@ THREAD_MODES = ("auto", "fixed")
 class ThreadGovernor:
     """Sets torch's CPU threads to the cores other processes leave free, read off the hardware monitor."""
 
-    def __init__(self, monitor=None, cores: int | None = None, most: int | None = None):
+    def __init__(self, monitor=None, cores: int | None = None, most: int | None = None, set_threads=None,
+                 threads: int | None = None):
         self.cores = cores or cpu_cores()
         self.most = most or INITIAL_THREADS
         self._monitor = monitor
-        self.threads = torch.get_num_threads()
+        self._set = set_threads or torch.set_num_threads
+        """What sets the count: torch's, or another engine's (decoding/llama_cpp.py: llama.cpp's context threads)."""
+        self.threads = threads or torch.get_num_threads()
         self.changes = 0
-        """Times the count was changed (each a torch.set_num_threads call)."""
+        """Times the count was changed (each a `set_threads` call)."""
 
     def threads_for(self, other_share: float) -> int:
         """Threads for a machine of which other processes take `other_share` of the CPU time: the cores they keep
@@ -45,12 +48,12 @@ class ThreadGovernor:
             self._monitor = shared_monitor("cpu")
         n = self.threads_for(float(self._monitor.read()[_OTHER]))
         if n != self.threads:
-            torch.set_num_threads(n)
+            self._set(n)
             self.threads, self.changes = n, self.changes + 1
         return n
 
     def restore(self) -> None:
         """Back to the most threads (e.g. when the governor is taken off a model)."""
         if self.threads != self.most:
-            torch.set_num_threads(self.most)
+            self._set(self.most)
             self.threads = self.most

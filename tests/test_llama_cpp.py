@@ -237,3 +237,39 @@ def test_the_draft_model_inside_llama_cpp_python_is_lossless_and_reads_each_roun
             assert (k, kept) == (len(tokens), agree)
             checked += k > 0
     assert checked >= 8 and sum(kept for _, kept in model.rounds) > 0
+
+
+def test_llama_cpps_threads_follow_the_free_cores_and_the_logits_do_not_depend_on_them(target):
+    """The loop's thread governor drives llama.cpp's context threads (beside a 1-core load, 2 fixed threads decoded
+    10x slower, reports/llama-cpp.md): a monitor reading half the CPU taken sets one thread, and the logits are the
+    two-thread ones bit for bit; restore() gives the count back."""
+    import llama_cpp
+    import numpy as np
+
+    from specpilot.decoding.hardware import HW_FEATURES
+
+    governor, ctx = target.threads, target.model.llm._ctx.ctx
+    assert governor is not None and llama_cpp.llama_n_threads(ctx) == governor.most
+    prompt = encoded(target)[2]
+
+    def logits():
+        cache = target.new_cache()
+        target.model(torch.tensor([prompt]), cache)
+        return target.model(torch.tensor([prompt[-4:]]), cache).logits
+
+    class Busy:  # another process takes half the CPU time
+        def read(self):
+            reading = np.zeros(len(HW_FEATURES), dtype=np.float32)
+            reading[HW_FEATURES.index("hw_cpu_other_util")] = 0.5
+            return reading
+
+    before = logits()
+    saved, governor._monitor = governor._monitor, Busy()
+    try:
+        governor.cores = 2
+        assert governor.apply() == 1 and llama_cpp.llama_n_threads(ctx) == 1
+        assert torch.equal(logits(), before)
+    finally:
+        governor._monitor = saved
+        governor.restore()
+    assert llama_cpp.llama_n_threads(ctx) == governor.most
