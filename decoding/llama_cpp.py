@@ -8,9 +8,10 @@ llama.cpp unchanged. One row at a time (llama.cpp's batch of sequences is not wi
 
 Identity: a verify of k+1 tokens must round as k+1 one-token steps do. llama-cpp-python is built for that
 (decoding/llama_build.py: no llamafile sgemm, no repacked weights) and the context runs without flash
-attention (its CPU kernel splits the KV range of a one-token query across threads); the thread count is one
-for both the one-token and the batched decode. tests/test_llama_cpp.py checks the logits bit for bit and the
-tokens against llama-cpp-python's own greedy `generate`.
+attention (its CPU kernel splits the KV range of a one-token query across threads); one thread count for the
+one-token and the batched decode, following the free cores (`llama_threads_governor`; the logits do not depend on
+it). tests/test_llama_cpp.py checks the logits bit for bit and the tokens against llama-cpp-python's own greedy
+`generate`; every load checks the identity once (`verify_rounds_as_steps`).
 
 Needs the optional extra: `python scripts/install_llama.py` (builds llama-cpp-python for this CPU).
 """
