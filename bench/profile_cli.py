@@ -77,6 +77,8 @@ class ProfileConfig:
     """Seed of the sampled traces: a prompt's sampler is seeded with this plus the CRC-32 of its question id."""
     dtype: str = "auto"
     """Model dtype: auto | float32 | bfloat16 | float16."""
+    threads: str = "auto"
+    """CPU threads: auto (they follow the cores other processes leave free, torch's or llama.cpp's) | fixed."""
     gemm: str = "auto"
     """CPU fp32 matrix products: auto (small-rows on the CPUs of decoding.models.SMALL_ROW_CPUS, else linear) | linear (torch's) | small-rows
     (decoding.models.SmallRowLinear, W @ x^T for 1-4 rows, one padded to two: cheaper plain steps and verify passes
@@ -141,7 +143,7 @@ def profile_main(argv: list[str] | None = None) -> int:
         target = random_init_target(cfg.target_config, cfg.dtype, torch_device)
         prompt_ids = list(range(100, 164))
     else:
-        target = load_target(cfg.target, cfg.dtype, torch_device, cfg.gemm)
+        target = load_target(cfg.target, cfg.dtype, torch_device, cfg.gemm, cfg.threads)
         prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
     if cfg.draft_config:
         draft_target = random_init_target(cfg.draft_config, cfg.dtype, torch_device)
@@ -167,7 +169,7 @@ def _record_counters(cfg, device_key: str, torch_device: str) -> int:
     if profile.get("background_load", "none") != cfg.background_load:
         raise SpecPilotError(f"{path} was measured under the load '{profile.get('background_load', 'none')}', "
                              f"not --background-load {cfg.background_load}")
-    target = load_target(cfg.target, cfg.dtype, torch_device, cfg.gemm)
+    target = load_target(cfg.target, cfg.dtype, torch_device, cfg.gemm, cfg.threads)
     prompt_ids = target.encode(load_prompts(cfg.prompts)[0].text, chat=True)
     counters = record_counters(path, profile, target, prompt_ids, cfg.background_load, cfg.counter_seconds)
     print(f"counters of {device_key} under load '{cfg.background_load}' written into {path}: "

@@ -77,6 +77,9 @@ class LlamaForward:
     config: SimpleNamespace = field(default_factory=SimpleNamespace)
     _specpilot_cache_kwarg: str = "cache"
 
+    def __post_init__(self) -> None:  # read once: each is a call into the library
+        self.n_ctx, self.n_vocab, self.n_batch = int(self.llm.n_ctx()), int(self.llm.n_vocab()), int(self.llm.n_batch)
+
     def __call__(self, input_ids: torch.Tensor, cache: LlamaCache, use_cache: bool = True,
                  output_hidden_states: bool = False, attention_mask=None, position_ids=None):
         if attention_mask is not None or input_ids.shape[0] != 1:
@@ -87,17 +90,16 @@ class LlamaForward:
         n = len(tokens)
         llm = self.llm
         all_logits = n <= LOGITS_ALL_UP_TO
-        if cache.length + n > llm.n_ctx():
-            raise SpecPilotError(f"the context ({cache.length} + {n} tokens) exceeds llama.cpp's n_ctx {llm.n_ctx()}")
-        for at in range(0, n, llm.n_batch):  # a long prefill in chunks of llama.cpp's batch (logits of the last)
-            chunk = tokens[at:at + llm.n_batch]
+        if cache.length + n > self.n_ctx:
+            raise SpecPilotError(f"the context ({cache.length} + {n} tokens) exceeds llama.cpp's n_ctx {self.n_ctx}")
+        for at in range(0, n, self.n_batch):  # a long prefill in chunks of llama.cpp's batch (logits of the last)
+            chunk = tokens[at:at + self.n_batch]
             llm._batch.set_batch(batch=chunk, n_past=cache.length, logits_all=all_logits)
             llm._ctx.decode(llm._batch)
             cache.length += len(chunk)
         rows = n if all_logits else 1
-        vocab = llm.n_vocab()
-        flat = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(rows * vocab,))
-        logits = torch.from_numpy(flat.copy()).view(1, rows, vocab)
+        flat = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(rows * self.n_vocab,))
+        logits = torch.from_numpy(flat.copy()).view(1, rows, self.n_vocab)
         return SimpleNamespace(logits=logits, hidden_states=None)
 
 
@@ -117,11 +119,11 @@ class LlamaCppTarget(Target):
 
     @property
     def context_window(self) -> int:
-        return int(self.model.llm.n_ctx())
+        return self.model.n_ctx
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.llm.n_vocab())
+        return self.model.n_vocab
 
 
 def default_threads() -> int:
@@ -211,35 +213,13 @@ def engine_generate(llm, prompt: list[int], max_new_tokens: int, eos_ids=frozens
     return out, time.perf_counter() - t0
 
 
-class CountingLookup:
-    """llama-cpp-python's `LlamaPromptLookupDecoding` that counts its proposals and, from the next call's context
-    (accepted tokens + the target's one), how many of each were kept; `.record` lists (k, accepted)."""
-
-    def __init__(self, num_pred_tokens: int = 10, max_ngram_size: int = 2):
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        self.lookup = LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens)
-        self.record: list[tuple[int, int]] = []
-        self._last = (0, 0)  # (context length, k) of the previous call
-
-    def reset(self) -> None:
-        self.record, self._last = [], (0, 0)
-
-    def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
-        length, k = self._last
-        if length and 0 <= len(input_ids) - length - 1 <= k:
-            self.record.append((k, len(input_ids) - length - 1))
-        out = self.lookup(input_ids, **kwargs)
-        self._last = (len(input_ids), len(out))
-        return out
-
-
 @dataclass
 class EngineDecoding:
     """A benchmark row that is llama-cpp-python's own decoding, not the loop: `engine` (plain `Llama.generate`),
-    `engine-lookup:N` (its `LlamaPromptLookupDecoding`, `num_pred_tokens` N, default 10, as its README
-    shows) or `engine-specpilot:POLICY` (its speculation with k from a specpilot policy: SpecPilotDraftModel). Greedy, one row, a llama.cpp target; the lookup runs on a second `Llama` of the same GGUF (llama-cpp-
-    python keeps every position's logits when a draft model is set)."""
+    `engine-lookup:N` (its `LlamaPromptLookupDecoding`, `num_pred_tokens` N, default 10, as its README shows) or
+    `engine-specpilot:POLICY` (its speculation with k from a specpilot policy, SpecPilotDraftModel). Greedy, one
+    row, a llama.cpp target; a draft model runs on a second `Llama` of the same GGUF (llama-cpp-python keeps every
+    position's logits when one is set). Both draft models are in decoding/llama_draft.py."""
 
     num_pred_tokens: int = 0
     name: str = "engine"
@@ -268,15 +248,14 @@ class EngineDecoding:
             tokens, seconds = engine_generate(target.model.llm, prompt, max_new_tokens, target.eos_ids)
             return tokens, seconds, []
         if self._llm is None:
+            from .llama_draft import CountingLookup
+
             draft = self.draft_model if self.draft_model is not None else CountingLookup(self.num_pred_tokens)
             self._llm = open_llama(target.model.config.gguf, n_ctx=target.context_window, draft_model=draft)
-        if self.draft_model is None:
-            self._llm.draft_model.reset()
-        else:  # it starts a new sequence by itself; its budget is the run's
+        if self.draft_model is not None:  # its observation's budget is the run's
             self.draft_model.max_new_tokens = max_new_tokens
         tokens, seconds = engine_generate(self._llm, prompt, max_new_tokens, target.eos_ids)
-        rounds = self._llm.draft_model.rounds if self.draft_model is not None else self._llm.draft_model.record
-        return tokens, seconds, list(rounds)
+        return tokens, seconds, list(self._llm.draft_model.log.rounds)  # a new prompt restarted the log
 
 
 def engine_policy(text: str, inner=None) -> EngineDecoding:

@@ -22,7 +22,48 @@ from .observation import ObservationBuilder
 from .sampling import Sampling
 
 CHECK_TAIL = 16
-"""A call continues the previous sequence when its first tokens end as the previous call's did (the last 16)."""
+"""A call continues the previous sequence when its tokens before the new ones end as the previous call's did."""
+
+
+class RoundLog:
+    """(k, kept) of each round of llama-cpp-python's speculation, read off the next call: the sequence grew by the
+    kept drafted tokens plus the target's one. A call that does not continue the last one starts a new sequence."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[int, int]] = []
+        self._last: tuple[int, int, np.ndarray] | None = None  # (length, k drafted, its last tokens)
+
+    def observe(self, ids: np.ndarray) -> int | None:
+        """The tokens the previous round kept, or None where `ids` starts a new sequence (the rounds restart)."""
+        if self._last is not None:
+            length, k, tail = self._last
+            kept = len(ids) - length - 1
+            if 0 <= kept <= k and np.array_equal(ids[length - len(tail):length], tail):
+                self.rounds.append((k, kept))
+                return kept
+        self.rounds = []
+        return None
+
+    def proposed(self, ids: np.ndarray, k: int) -> None:
+        """This call's sequence and the k tokens it drafts."""
+        self._last = (len(ids), k, np.array(ids[-CHECK_TAIL:]))
+
+
+class CountingLookup:
+    """llama-cpp-python's own `LlamaPromptLookupDecoding`, its rounds logged (`log.rounds`): the benchmark's
+    `engine-lookup:N` row (decoding/llama_cpp.py EngineDecoding)."""
+
+    def __init__(self, num_pred_tokens: int = 10, max_ngram_size: int = 2):
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.lookup = LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens)
+        self.log = RoundLog()
+
+    def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
+        self.log.observe(input_ids)
+        out = self.lookup(input_ids, **kwargs)
+        self.log.proposed(input_ids, len(out))
+        return out
 
 
 class SpecPilotDraftModel:
@@ -38,9 +79,9 @@ class SpecPilotDraftModel:
         self.max_new_tokens = max_new_tokens
         self.observer = observer or ObservationBuilder(k_max=policy.k_max)
         self.state: DecodeState | None = None
-        self.rounds: list[tuple[int, int]] = []
-        """(k, accepted) of every round of the current sequence whose outcome is known."""
-        self._pending: tuple[int, int, list, float, float] | None = None  # k asked, k drafted, confidences, draft_s, t
+        self.log = RoundLog()
+        """(k, kept) of every round of the current sequence whose outcome is known: `log.rounds`."""
+        self._pending: tuple[int, list, float, float] | None = None  # k asked, confidences, draft_s, when returned
 
     def _start(self, ids: np.ndarray) -> None:
         """A new sequence: the prompt is all but the token the engine just sampled."""
@@ -51,35 +92,27 @@ class SpecPilotDraftModel:
         self.policy.reset()
         self.observer.reset(self.state)
         self.drafter.reset(buffer)
-        self.rounds, self._pending = [], None
-
-    def _continues(self, ids: np.ndarray) -> bool:
-        if self.state is None or self._pending is None:
-            return False
-        row = self.state.rows[0]
-        kept = len(ids) - row.length - 1
-        at = max(0, row.length - CHECK_TAIL)
-        return 0 <= kept <= self._pending[1] and np.array_equal(ids[at:row.length], row.buffer[at:row.length].numpy())
+        self._pending = None
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
         now = time.perf_counter()
         ids = np.asarray(input_ids)
-        if not self._continues(ids):
+        kept = self.log.observe(ids)
+        if kept is None:
             self._start(ids)
         else:
             row = self.state.rows[0]
-            asked, k, confidences, draft_s, returned = self._pending
-            kept = len(ids) - row.length - 1
-            new = ids[row.length:].tolist()
-            step = StepResult(k=k, k_requested=asked, accepted=kept, new_tokens=new, draft_s=draft_s,
-                              verify_s=now - returned, confidences=confidences[:k], context_len=row.length)
+            asked, confidences, draft_s, returned = self._pending
+            k = self.log.rounds[-1][0]
+            step = StepResult(k=k, k_requested=asked, accepted=kept, new_tokens=ids[row.length:].tolist(),
+                              draft_s=draft_s, verify_s=now - returned, confidences=confidences[:k],
+                              context_len=row.length)
             row.buffer = torch.from_numpy(ids.astype(np.int64))
             row.length = len(ids)
             while row.remaining <= 0:
                 row.max_new_tokens *= 2
             self.policy.update(step)
             self.observer.push(step)
-            self.rounds.append((k, kept))
         row = self.state.rows[0]
         asked = int(self.policy.choose_k(self.observer.build(self.state)))
         t0 = time.perf_counter()
@@ -87,5 +120,6 @@ class SpecPilotDraftModel:
             if asked > 0 else None
         tokens = draft.tokens.cpu().numpy().astype(np.intc) if draft is not None else np.empty(0, dtype=np.intc)
         done = time.perf_counter()
-        self._pending = (asked, len(tokens), list(draft.confidences) if draft is not None else [], done - t0, done)
+        self._pending = (asked, list(draft.confidences) if draft is not None else [], done - t0, done)
+        self.log.proposed(ids, len(tokens))
         return tokens

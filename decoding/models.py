@@ -20,9 +20,9 @@ import torch
 from platformdirs import user_cache_dir
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter  # noqa: F401 (re-exported)
-from .embedded import EMBEDDED_ALIASES, EMBEDDED_GGUF, EMBEDDED_GGUF_FILE, EMBEDDED_NAME, EMBEDDED_WHEEL  # noqa: F401
+from .embedded import (EMBEDDED_ALIASES, EMBEDDED_GGUF, EMBEDDED_GGUF_FILE, EMBEDDED_NAME,  # noqa: F401 (re-exported)
+                       EMBEDDED_WHEEL, LLAMA_CPP_PREFIX)
 from .errors import SpecPilotError
-from .embedded import LLAMA_CPP_PREFIX
 from .target import Target, eos_ids_of  # noqa: F401 (re-exported)
 from .hardware import cpu_key, torch_device_of
 from .threads import THREAD_MODES, ThreadGovernor
@@ -247,20 +247,18 @@ def load_target(spec: str | None = None, dtype: str = "auto", device: str = "aut
                 threads: str = "auto") -> Target:
     """The target: 'embedded', a hub id, a folder, a .gguf file, or random:CONFIG (random init, for the GPU
     check's plumbing and cost profiling: no weights to download); `llama.cpp:embedded` or `llama.cpp:FILE.gguf`
-    runs the GGUF natively in llama.cpp (decoding/llama_cpp.py; dtype, gemm and threads do not apply). `gemm` (GEMM_PATHS, see resolve_gemm):
+    runs the GGUF natively in llama.cpp (decoding/llama_cpp.py; its own dtype and products). `gemm` (GEMM_PATHS, see resolve_gemm):
     small-rows runs its linear layers as SmallRowLinear, and says so in the target's name (so reports and
     profiles record it). `threads` (THREAD_MODES): auto on the CPU gives it a ThreadGovernor (torch's threads follow
-    the cores a co-running load leaves free), fixed keeps torch's count."""
+    the cores a co-running load leaves free; llama.cpp's threads likewise), fixed keeps torch's (llama.cpp's) count."""
+    if threads not in THREAD_MODES:
+        raise SpecPilotError(f"--threads must be one of {', '.join(THREAD_MODES)}, got '{threads}'")
     if spec and spec.startswith(LLAMA_CPP_PREFIX):
         if str(device) not in ("auto", "cpu"):
             raise SpecPilotError(f"the llama.cpp engine runs on the CPU here, not --device {device}")
-        if threads not in THREAD_MODES:
-            raise SpecPilotError(f"--threads must be one of {', '.join(THREAD_MODES)}, got '{threads}'")
         return load_llama_target(spec[len(LLAMA_CPP_PREFIX):] or None, follow_free_cores=threads == "auto")
     device = resolve_torch_device(device)
     gemm = resolve_gemm(gemm, device)  # checked before any weights load
-    if threads not in THREAD_MODES:
-        raise SpecPilotError(f"--threads must be one of {', '.join(THREAD_MODES)}, got '{threads}'")
     if spec and spec.startswith("random:"):
         target = random_init_target(spec.partition(":")[2], dtype, device)
     else:

@@ -221,7 +221,7 @@ def test_the_draft_model_inside_llama_cpp_python_is_lossless_and_reads_each_roun
     drafter = Recording(3)
     model = SpecPilotDraftModel(RandomK(1), drafter, max_new_tokens=48)
     llm = open_llama(target.model.config.gguf, n_ctx=4096, draft_model=model)
-    checked = 0
+    checked = kept_total = 0
     for prompt in encoded(target)[:3]:
         plain, _ = engine_generate(target.model.llm, prompt, 48, target.eos_ids)
         drafter.seen = []
@@ -229,14 +229,15 @@ def test_the_draft_model_inside_llama_cpp_python_is_lossless_and_reads_each_roun
         assert out == plain
         full = prompt + plain
         drafted = [(length, tokens) for length, tokens in drafter.seen if tokens]
-        rounds = [(k, kept) for k, kept in model.rounds if k]  # a round of k = 0 drafts nothing
+        rounds = [(k, kept) for k, kept in model.log.rounds if k]  # a round of k = 0 drafts nothing
         assert len(drafted) - 1 <= len(rounds) <= len(drafted)  # the last round's outcome comes with no next call
         for (length, tokens), (k, kept) in zip(drafted, rounds):
             truth = full[length:length + len(tokens)]
             agree = next((i for i, (a, b) in enumerate(zip(tokens, truth)) if a != b), min(len(tokens), len(truth)))
             assert (k, kept) == (len(tokens), agree)
             checked += k > 0
-    assert checked >= 8 and sum(kept for _, kept in model.rounds) > 0
+            kept_total += kept
+    assert checked >= 8 and kept_total > 0
 
 
 def test_llama_cpps_threads_follow_the_free_cores_and_the_logits_do_not_depend_on_them(target):
@@ -273,3 +274,20 @@ def test_llama_cpps_threads_follow_the_free_cores_and_the_logits_do_not_depend_o
         governor._monitor = saved
         governor.restore()
     assert llama_cpp.llama_n_threads(ctx) == governor.most
+
+
+def test_llama_cpp_pythons_own_lookup_row_gives_plain_tokens_and_logs_its_rounds(target):
+    """The benchmark's `engine-lookup:4` (llama-cpp-python's LlamaPromptLookupDecoding on a second `Llama`): with
+    this build its output is plain greedy's, and its logged rounds add up: every round kept at most what it drafted,
+    the code-editing prompt kept some, and the rounds' tokens (kept + the target's one) are at most the output."""
+    from specpilot.decoding.llama_cpp import engine_generate, engine_policy
+
+    row = engine_policy("engine-lookup:4")
+    for i, prompt in enumerate(encoded(target)[:2]):
+        plain, _ = engine_generate(target.model.llm, prompt, 48, target.eos_ids)
+        out, seconds, rounds = row.run_engine(target, prompt, 48)
+        assert out == plain and seconds > 0
+        assert all(0 <= kept <= k <= 4 for k, kept in rounds)
+        assert sum(kept + 1 for _, kept in rounds) <= len(out)
+        if i == 0:
+            assert sum(kept for _, kept in rounds) > 0
