@@ -17,6 +17,7 @@ Needs the optional extra: `python scripts/install_llama.py` (builds llama-cpp-py
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 import warnings
@@ -79,6 +80,9 @@ class LlamaForward:
 
     def __post_init__(self) -> None:  # read once: each is a call into the library
         self.n_ctx, self.n_vocab, self.n_batch = int(self.llm.n_ctx()), int(self.llm.n_vocab()), int(self.llm.n_batch)
+        self._array_types: dict[int, type] = {}
+        self.decodes = 0
+        """Forward calls so far: a `LlamaOutput` reads the buffer only while it is the latest."""
 
     def __call__(self, input_ids: torch.Tensor, cache: LlamaCache, use_cache: bool = True,
                  output_hidden_states: bool = False, attention_mask=None, position_ids=None):
@@ -97,10 +101,53 @@ class LlamaForward:
             llm._batch.set_batch(batch=chunk, n_past=cache.length, logits_all=all_logits)
             llm._ctx.decode(llm._batch)
             cache.length += len(chunk)
-        rows = n if all_logits else 1
-        flat = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(rows * self.n_vocab,))
-        logits = torch.from_numpy(flat.copy()).view(1, rows, self.n_vocab)
-        return SimpleNamespace(logits=logits, hidden_states=None)
+        self.decodes += 1
+        return LlamaOutput(self, n if all_logits else 1, self.decodes)
+
+    def _floats(self, n: int) -> type:
+        """ctypes' float array type of n elements, made once per n (np.ctypeslib.as_array makes one per call)."""
+        kind = self._array_types.get(n)
+        if kind is None:
+            kind = self._array_types[n] = ctypes.c_float * n
+        return kind
+
+    def live_logits(self, rows: int) -> np.ndarray:
+        """(rows, vocab) view of llama.cpp's logits buffer: valid until the next decode."""
+        pointer = self.llm._ctx.get_logits()
+        flat = np.frombuffer(self._floats(rows * self.n_vocab).from_address(ctypes.addressof(pointer.contents)),
+                             dtype=np.float32)
+        return flat.reshape(rows, self.n_vocab)
+
+
+class LlamaOutput:
+    """One forward's result, read off llama.cpp's logits buffer when asked: `greedy_tokens` (the argmax per
+    position, all a greedy verify needs: no copy of rows x 49,152 floats) or `logits` (copied once, then kept).
+    Either must be asked before the target's next decode (which overwrites the buffer): later, an error."""
+
+    hidden_states = None
+
+    def __init__(self, forward: LlamaForward, rows: int, decode: int) -> None:
+        self._forward, self._rows, self._decode = forward, rows, decode
+        self._logits: torch.Tensor | None = None
+
+    def _live(self) -> np.ndarray:
+        if self._forward.decodes != self._decode:
+            raise SpecPilotError("llama.cpp's logits of this forward were overwritten by a later decode: read them first")
+        return self._forward.live_logits(self._rows)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(1, rows, vocab) float32, a copy."""
+        if self._logits is None:
+            self._logits = torch.from_numpy(self._live().copy())[None]
+        return self._logits
+
+    @property
+    def greedy_tokens(self) -> np.ndarray:
+        """(1, rows) the argmax at each position (the first maximum, as torch's)."""
+        if self._logits is not None:
+            return self._logits.numpy().argmax(axis=-1)
+        return self._live().argmax(axis=-1)[None]
 
 
 class LlamaCppTarget(Target):

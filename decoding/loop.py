@@ -176,6 +176,8 @@ class DecodeState(BatchView):
     """(active rows, cache slots) 1 = a confirmed token of that row; None for a single sequence."""
     batched: bool = False
     prefill_s: float = 0.0
+    no_tokens: torch.Tensor | None = None
+    """The empty draft of a plain step (`_no_tokens`)."""
 
 
 def _target_forward(state: DecodeState, ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -285,12 +287,19 @@ def _prefill_batch(state: DecodeState) -> None:
         state.hidden = hidden_features(out.hidden_states, state.draft)[:, -1]
 
 
+def _no_tokens(state: DecodeState) -> torch.Tensor:
+    """An empty (active rows, 0) draft, made once per batch size (a plain step allocates nothing)."""
+    rows = len(state.active)
+    if state.no_tokens is None or state.no_tokens.shape[0] != rows:
+        state.no_tokens = torch.empty(rows, 0, dtype=torch.long, device=state.rows[0].buffer.device)
+    return state.no_tokens
+
+
 def _propose(state: DecodeState, k: int, stop: StopRule | None, source: str | None = None) -> Draft:
     """The draft's proposal for every active row: tokens (rows, n), probs (rows, n, V) or None. `source` goes to a
     drafter with several (`hybrid.HybridDrafter`)."""
-    device = state.rows[0].buffer.device
     if k <= 0 or state.draft is None:
-        return Draft(tokens=torch.empty(len(state.active), 0, dtype=torch.long, device=device))
+        return Draft(tokens=_no_tokens(state))
     extra = {"source": source} if source is not None else {}
     if not state.batched and len(state.active) == 1:
         draft = state.draft.propose(state.context, k, state.sampling, state.generator, stop=stop,
@@ -319,8 +328,11 @@ def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None, s
     synchronize(device)
     t1 = time.perf_counter()
     k = draft.tokens.shape[1]
-    last = torch.stack([r.buffer[r.length - 1] for r in rows])[:, None]
-    feed = torch.cat([last, draft.tokens], dim=1)
+    if len(rows) == 1:  # a view of the row's last token, no copy
+        last = rows[0].buffer[rows[0].length - 1 : rows[0].length][None]
+    else:
+        last = torch.stack([r.buffer[r.length - 1] for r in rows])[:, None]
+    feed = torch.cat([last, draft.tokens], dim=1) if k else last
     slots = state.cache.get_seq_length()
     if state.slot_mask is None:
         out = _target_forward(state, feed)
@@ -330,7 +342,9 @@ def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None, s
         mask = torch.cat([state.slot_mask, torch.ones_like(feed)], dim=1)
         out = _target_forward(state, feed, positions, mask)
     if state.sampling.greedy:  # every row at once, one transfer to the host
-        accepted_rows, new_lists, kept = verify_greedy_rows(draft.tokens, out.logits)
+        # a target that reads the argmax off its own buffer gives it (decoding/llama_cpp.py), else the logits
+        tokens = getattr(out, "greedy_tokens", None)
+        accepted_rows, new_lists, kept = verify_greedy_rows(draft.tokens, out.logits if tokens is None else tokens)
         new_rows = [kept[i, : len(new)] for i, new in enumerate(new_lists)]
     else:
         accepted_rows, new_rows, new_lists = [], [], []

@@ -8,6 +8,7 @@ its subset) and refuses one with a name this version does not know.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 
@@ -83,7 +84,7 @@ class ObservationBuilder:
         self.plain_ms = math.nan
         # the last REPETITION_WINDOW tokens of each row on the host, kept up to date from the steps' new tokens
         # (already on the host), so the repetition feature costs no device-to-host copy per step
-        self._tails: dict[int, tuple[int, np.ndarray]] = {}
+        self._tails: dict[int, tuple[int, RepetitionWindow]] = {}
         self._keys: list[int] = []
 
     def push(self, step) -> None:
@@ -115,7 +116,8 @@ class ObservationBuilder:
             for key, new in zip(self._keys, step.new_rows):
                 if key in self._tails:
                     length, window = self._tails[key]
-                    self._tails[key] = (length + len(new), np.concatenate([window, np.asarray(new, dtype=np.int64)])[-REPETITION_WINDOW:])
+                    window.extend(new)
+                    self._tails[key] = (length + len(new), window)
 
     def build(self, state) -> np.ndarray:
         """The observation before the next step of `state` (a copy, safe to keep), filled feature by feature by name."""
@@ -164,7 +166,7 @@ class ObservationBuilder:
         else:
             v[at["ngram_match_len"]] = self.match_len
             v[at["draft_available_frac"]] = v[at["behind_available_frac"]] = 1.0
-        v[at["repetition_rate"]] = sum(repetition_rate(self._tail(r)) for r in rows) / n
+        v[at["repetition_rate"]] = sum(self._tail(r).rate for r in rows) / n
         v[at["batch_size_log"]] = math.log(n)
         v[at["remaining_spread"]] = (most - sum(remaining) / n) / rows[0].max_new_tokens
         # how far the current match is to be trusted (prompt lookup): bounded, whatever the context's length
@@ -178,7 +180,7 @@ class ObservationBuilder:
             v[at["ngram_suffix_log"]] = v[at["ngram_occurrences_log"]] = v[at["ngram_agreement"]] = 0.0
         return v.copy()
 
-    def _tail(self, row) -> np.ndarray:
+    def _tail(self, row) -> "RepetitionWindow":
         """The row's last REPETITION_WINDOW tokens from the host copy; read from the device only when the copy
         does not cover the row's length (a new row, or steps this builder did not see)."""
         key = id(row.buffer)
@@ -187,8 +189,36 @@ class ObservationBuilder:
         if cached is None or cached[0] != row.length:
             window = row.buffer[max(0, row.length - REPETITION_WINDOW) : row.length]
             window = window.cpu().numpy() if hasattr(window, "cpu") else np.asarray(window)
-            cached = self._tails[key] = (row.length, window.astype(np.int64))
+            cached = self._tails[key] = (row.length, RepetitionWindow(window.tolist()))
         return cached[1]
+
+
+class RepetitionWindow:
+    """The last REPETITION_WINDOW tokens of a row with a count of each, so that `rate` (`repetition_rate` of the
+    window) costs O(new tokens) per step, not a sort of the window."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens: deque[int] = deque()
+        self.counts: dict[int, int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        window, counts = self.tokens, self.counts
+        for token in tokens:
+            token = int(token)
+            window.append(token)
+            counts[token] = counts.get(token, 0) + 1
+            if len(window) > REPETITION_WINDOW:
+                old = window.popleft()
+                if counts[old] == 1:
+                    del counts[old]
+                else:
+                    counts[old] -= 1
+
+    @property
+    def rate(self) -> float:
+        size = len(self.tokens)
+        return 0.0 if size < 2 else 1.0 - len(self.counts) / size
 
 
 def repetition_rate(tokens) -> float:

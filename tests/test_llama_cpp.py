@@ -7,6 +7,8 @@ installed (`python scripts/install_llama.py`; CI installs it).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_sampling import expected_noise, verify_broken_no_residual
@@ -187,6 +189,24 @@ def test_the_build_names_each_instruction_set_by_the_cpus_flags_and_keeps_amx_an
     assert extras["llama"] == [LLAMA_CPP_PYTHON]
 
 
+def test_a_forwards_argmax_is_its_logits_argmax_and_a_later_decode_makes_both_unreadable(target):
+    """The loop's greedy verify reads the argmax straight off llama.cpp's buffer (no copy of the logits): the same
+    tokens as the copied logits' argmax, and a result read after the next decode (which overwrites the buffer) is
+    an error, not stale numbers."""
+    cache = target.new_cache()
+    prompt = encoded(target)[0]
+    target.model(torch.tensor([prompt[:-4]]), cache)
+    out = target.model(torch.tensor([prompt[-4:]]), cache)
+    tokens = out.greedy_tokens
+    assert tokens.shape == (1, 4) and (tokens == out.logits.argmax(-1).numpy()).all()
+    late = target.model(torch.tensor([prompt[-3:]]), cache)  # three more positions: a new buffer's contents
+    with pytest.raises(SpecPilotError, match="overwritten"):
+        late_read = target.model(torch.tensor([prompt[-2:]]), cache)
+        late.greedy_tokens
+    assert late_read.logits.shape == (1, 2, target.vocab_size)
+    assert (out.logits.argmax(-1).numpy() == tokens).all()  # copied before the later decodes: kept, readable
+
+
 def test_the_identity_check_tells_a_build_that_rounds_a_verify_differently(target, monkeypatch):
     """This build passes the load-time check; a forward whose batched logits move by one ulp fails it."""
     from specpilot.decoding.llama_cpp import verify_rounds_as_steps
@@ -197,7 +217,7 @@ def test_the_identity_check_tells_a_build_that_rounds_a_verify_differently(targe
     def off_when_batched(self, input_ids, cache, **kwargs):
         out = forward(self, input_ids, cache, **kwargs)
         if input_ids.shape[1] > 1:
-            out.logits = torch.nextafter(out.logits, torch.full_like(out.logits, float("inf")))
+            return SimpleNamespace(logits=torch.nextafter(out.logits, torch.full_like(out.logits, float("inf"))))
         return out
 
     monkeypatch.setattr(type(target.model), "__call__", off_when_batched)

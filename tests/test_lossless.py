@@ -194,8 +194,10 @@ def test_rows_verifier_equals_the_one_row_verifier():
     from specpilot.decoding.verify import verify_greedy, verify_greedy_rows
 
     g = torch.Generator().manual_seed(0)
-    for k in (0, 1, 4):
+    for k, ties in ((0, False), (1, False), (4, False), (4, True)):
         logits = torch.randn(6, k + 1, 5, generator=g)
+        if ties:  # two or more maxima per position: the host (numpy) argmax takes the first one, as torch's
+            logits = torch.randint(0, 2, (6, k + 1, 5), generator=g).float()
         drafts = logits[:, :k].argmax(-1)
         drafts[1, :] = (drafts[1, :] + 1) % 5  # row 1 rejected at once
         if k > 1:
@@ -206,6 +208,7 @@ def test_rows_verifier_equals_the_one_row_verifier():
             assert (accepted[i], new[i]) == (a, tokens.tolist())
             assert kept[i, : a + 1].tolist() == tokens.tolist()
         assert accepted[0] == k and accepted[1] == 0 and (k < 2 or accepted[2] == 1)
+        assert verify_greedy_rows(drafts, logits.argmax(-1).numpy())[:2] == (accepted, new)  # an argmax given
 
 
 def test_ngram_lookup_equals_a_plain_search_as_the_context_grows():

@@ -156,6 +156,23 @@ def test_repetition_rate():
     assert repetition_rate(np.array([7, 7, 7, 7])) == 0.75
 
 
+def test_the_running_repetition_window_equals_the_rate_of_the_last_tokens():
+    """The builder's per-step window (counts kept as tokens come and leave) gives `repetition_rate` of the
+    context's last REPETITION_WINDOW tokens exactly, across the window's filling and sliding."""
+    from specpilot.decoding.observation import REPETITION_WINDOW, RepetitionWindow
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 40, 400).tolist()
+    window = RepetitionWindow(tokens[:3])
+    at = 3
+    while at < len(tokens):
+        step = int(rng.integers(1, 9))
+        window.extend(tokens[at : at + step])
+        at = min(len(tokens), at + step)
+        assert window.rate == repetition_rate(np.array(tokens[max(0, at - REPETITION_WINDOW) : at]))
+    assert len(window.tokens) == REPETITION_WINDOW and RepetitionWindow([5]).rate == 0.0
+
+
 def test_generate_measures_controller_overhead(tiny_pair):
     target_model, draft_model = tiny_pair
     draft = ModelDrafter(draft_model, "d", target_model.config.vocab_size)
