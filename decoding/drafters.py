@@ -241,8 +241,9 @@ class NgramDrafter:
     def rollback_batch(self, lengths: list[int], rows: list[int]) -> None:
         pass
 
-    def peek(self, context: torch.Tensor, k: int, row: int = 0) -> tuple[int, int]:
-        """(matched n-gram length, tokens available to propose) for the current context."""
+    def peek(self, context: torch.Tensor | np.ndarray, k: int, row: int = 0) -> tuple[int, int]:
+        """(matched n-gram length, tokens available to propose) for the current context (a tensor, or its numpy
+        view: the observation builder's, without a torch call)."""
         tokens, n = self.lookup(context, k, row)
         return n, tokens.shape[0]
 
@@ -268,7 +269,8 @@ class NgramDrafter:
         if index is None or index.length > length:
             index = self._index[row] = NgramIndex(self.max_n, self.min_n)
         if index.length < length:
-            index.extend(context[index.length :].cpu().numpy())
+            new = context[index.length :]
+            index.extend(new if isinstance(new, np.ndarray) else new.cpu().numpy())
         return index
 
     def match_stats(self, context: torch.Tensor, row: int = 0) -> tuple[int, int, float]:

@@ -107,7 +107,7 @@ class SpecPilotDraftModel:
             step = StepResult(k=k, k_requested=asked, accepted=kept, new_tokens=ids[row.length:].tolist(),
                               draft_s=draft_s, verify_s=now - returned, confidences=confidences[:k],
                               context_len=row.length)
-            row.buffer = torch.from_numpy(ids.astype(np.int64))
+            row.rebind(torch.from_numpy(ids.astype(np.int64)))
             row.length = len(ids)
             while row.remaining <= 0:
                 row.max_new_tokens *= 2

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from .drafters import Draft, Drafter, StopRule, cache_kwarg, crop_cache, hidden_features
@@ -84,6 +85,13 @@ class RowView:
         return self.buffer[self.prompt_len : self.length].tolist()
 
     @property
+    def host_context(self):
+        """The context as a numpy view where the row has one (a CPU buffer's `host`), else `context`: what the
+        observation's free reads of a drafter (`peek`, `match_stats`) take."""
+        host = getattr(self, "host", None)
+        return self.context if host is None else host[: self.length]
+
+    @property
     def remaining(self) -> int:
         return self.max_new_tokens - (self.length - self.prompt_len)
 
@@ -150,6 +158,18 @@ class Row(RowView):
     prompt_len: int
     max_new_tokens: int
     done: bool = False
+    host: np.ndarray | None = field(default=None, repr=False)
+    """A CPU buffer's numpy view (the same memory): a step appends its tokens through it, without a torch call
+    (each costs 20-45 us on the cold caches a decode leaves, against 5-10 for numpy's)."""
+
+    def __post_init__(self) -> None:
+        if self.host is None:
+            self.rebind(self.buffer)
+
+    def rebind(self, buffer: torch.Tensor) -> None:
+        """Hold `buffer` (and its host view) from now on."""
+        self.buffer = buffer
+        self.host = buffer.numpy() if buffer.device.type == "cpu" else None
 
 
 @dataclass
@@ -316,6 +336,11 @@ def _propose(state: DecodeState, k: int, stop: StopRule | None, source: str | No
 def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None, source: str | None = None) -> StepResult:
     """Draft up to k tokens per active row (from `source`, for a drafter with several), verify them in one target
     pass, keep each row's accepted prefix + 1 token."""
+    return _step(state, k, stop, source)
+
+
+def _step(state: DecodeState, k: int, stop: StopRule | None = None, source: str | None = None) -> StepResult:
+    """`speculative_step` inside an inference_mode the caller entered (`generate`: one for the whole loop)."""
     if state.done:
         raise SpecPilotError("the sequence is finished; start a new one")
     k_requested = k
@@ -329,7 +354,7 @@ def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None, s
     t1 = time.perf_counter()
     k = draft.tokens.shape[1]
     if len(rows) == 1:  # a view of the row's last token, no copy
-        last = rows[0].buffer[rows[0].length - 1 : rows[0].length][None]
+        last = rows[0].buffer[None, rows[0].length - 1 : rows[0].length]
     else:
         last = torch.stack([r.buffer[r.length - 1] for r in rows])[:, None]
     feed = torch.cat([last, draft.tokens], dim=1) if k else last
@@ -345,7 +370,7 @@ def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None, s
         # a target that reads the argmax off its own buffer gives it (decoding/llama_cpp.py), else the logits
         tokens = getattr(out, "greedy_tokens", None)
         accepted_rows, new_lists, kept = verify_greedy_rows(draft.tokens, out.logits if tokens is None else tokens)
-        new_rows = [kept[i, : len(new)] for i, new in enumerate(new_lists)]
+        new_rows = [kept[i, : len(new)] for i, new in enumerate(new_lists)] if rows[0].host is None else new_lists
     else:
         accepted_rows, new_rows, new_lists = [], [], []
         for i in range(len(rows)):
@@ -383,7 +408,10 @@ def speculative_step(state: DecodeState, k: int, stop: StopRule | None = None, s
                 r.done = True
                 break
         n = len(tokens)
-        r.buffer[r.length : r.length + n] = new[:n]
+        if r.host is not None:  # the host view, from the host list
+            r.host[r.length : r.length + n] = tokens
+        else:
+            r.buffer[r.length : r.length + n] = new[:n]
         r.length += n
         r.done = r.done or r.remaining <= 0
         appended.append(tokens)
@@ -490,17 +518,19 @@ def generate(
     policy_s = 0.0
     clock = time.perf_counter
     synchronize(state.buffer.device)
-    t0 = clock()
-    while not state.done:
-        t_obs = clock()
-        k = policy.choose_k(observer.build(state))
-        policy_s += clock() - t_obs
-        step = speculative_step(state, k, stop=policy.stop, source=getattr(policy, "source", None))
-        policy.update(step)
-        observer.push(step)
-        steps.append(step)
-        if on_step is not None:
-            on_step(step)
-    seconds = clock() - t0
+    source = getattr(policy, "source", None)
+    with torch.inference_mode():
+        t0 = clock()
+        while not state.done:
+            t_obs = clock()
+            k = policy.choose_k(observer.build(state))
+            policy_s += clock() - t_obs
+            step = _step(state, k, policy.stop, source)
+            policy.update(step)
+            observer.push(step)
+            steps.append(step)
+            if on_step is not None:
+                on_step(step)
+        seconds = clock() - t0
     token_ids = [r.generated for r in state.rows] if state.batched else state.generated
     return Generation(token_ids, steps, GenerationStats.from_steps(steps, seconds, state.prefill_s, policy_s))

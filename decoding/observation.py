@@ -159,7 +159,7 @@ class ObservationBuilder:
         behind = [j for j, left in enumerate(remaining) if left == most]
         peek = getattr(getattr(state, "draft", None), "peek", None)
         if peek is not None:
-            peeks = [peek(r.context, self.k_max, row) for r, row in zip(rows, ids)]
+            peeks = [peek(r.host_context, self.k_max, row) for r, row in zip(rows, ids)]
             v[at["ngram_match_len"]] = sum(m for m, _ in peeks) / n
             v[at["draft_available_frac"]] = sum(a for _, a in peeks) / n / self.k_max
             v[at["behind_available_frac"]] = sum(peeks[j][1] for j in behind) / len(behind) / self.k_max
@@ -172,7 +172,7 @@ class ObservationBuilder:
         # how far the current match is to be trusted (prompt lookup): bounded, whatever the context's length
         stats = getattr(getattr(state, "draft", None), "match_stats", None)
         if stats is not None:
-            found = [stats(r.context, row) for r, row in zip(rows, ids)]
+            found = [stats(r.host_context, row) for r, row in zip(rows, ids)]
             v[at["ngram_suffix_log"]] = sum(math.log1p(s) for s, _, _ in found) / n / LOG_CAP
             v[at["ngram_occurrences_log"]] = sum(math.log1p(o) for _, o, _ in found) / n / LOG_CAP
             v[at["ngram_agreement"]] = sum(a for _, _, a in found) / n

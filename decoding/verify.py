@@ -25,7 +25,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
 
 def verify_greedy_rows(draft_tokens: torch.Tensor, target_logits) -> tuple[list[int], list[list[int]], torch.Tensor]:
     """`verify_greedy` for every row at once, with one device-to-host transfer: (accepted per row, the
-    tokens each row keeps as host lists, the target's argmax (rows, k+1) on the device).
+    tokens each row keeps as host lists, the target's argmax (rows, k+1) on the device, a numpy array on the CPU).
 
     A kept draft token equals the target's argmax at its position, so a row's kept tokens are the first
     accepted + 1 entries of the argmax row. Shapes: draft_tokens (rows, k), target_logits (rows, k+1, V), or a
@@ -33,9 +33,9 @@ def verify_greedy_rows(draft_tokens: torch.Tensor, target_logits) -> tuple[list[
     llama.cpp's buffer). On the CPU numpy's argmax does it (3 us against torch's 76 us over a 49,152-token
     vocabulary here); the same first-maximum rule."""
     if isinstance(target_logits, np.ndarray):
-        return _greedy_rows_host(draft_tokens.numpy(), target_logits)
+        return _greedy_rows_host(draft_tokens, target_logits)
     if target_logits.device.type == "cpu" and target_logits.dtype in (torch.float32, torch.float64, torch.float16):
-        return _greedy_rows_host(draft_tokens.numpy(), target_logits.numpy().argmax(axis=-1))
+        return _greedy_rows_host(draft_tokens, target_logits.numpy().argmax(axis=-1))
     target_tokens = target_logits.argmax(dim=-1)
     k = draft_tokens.shape[1]
     if k:
@@ -46,15 +46,16 @@ def verify_greedy_rows(draft_tokens: torch.Tensor, target_logits) -> tuple[list[
     return [row[0] for row in packed], [row[1 : row[0] + 2] for row in packed], target_tokens
 
 
-def _greedy_rows_host(draft: np.ndarray, target: np.ndarray) -> tuple[list[int], list[list[int]], torch.Tensor]:
-    """`verify_greedy_rows` of host arrays: draft (rows, k), the target's argmax (rows, k+1)."""
+def _greedy_rows_host(draft: torch.Tensor, target: np.ndarray) -> tuple[list[int], list[list[int]], np.ndarray]:
+    """`verify_greedy_rows` on the host: draft (rows, k) on the CPU, the target's argmax (rows, k+1) a numpy array,
+    returned as it is (a plain step, k = 0, makes no torch call)."""
     packed = target.tolist()
     k = draft.shape[1]
     if k:
-        accepted = np.cumprod(draft == target[:, :k], axis=1).sum(axis=1).tolist()
+        accepted = np.cumprod(draft.numpy() == target[:, :k], axis=1).sum(axis=1).tolist()
     else:
         accepted = [0] * len(packed)
-    return accepted, [row[: a + 1] for row, a in zip(packed, accepted)], torch.from_numpy(target.astype(np.int64, copy=False))
+    return accepted, [row[: a + 1] for row, a in zip(packed, accepted)], target
 
 
 def verify_sampling(
