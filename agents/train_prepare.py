@@ -244,6 +244,12 @@ def resolve_run(cfg: TrainConfig) -> Run:
     test_prompts = load_prompts(cfg.prompts, "test") if cfg.eval_per_category else []
     print(f"specpilot: training for device '{device_key}' ({hardware_name}), torch device {torch_device}", file=sys.stderr)
     target = load_target(cfg.target, cfg.dtype, torch_device)
+    most = getattr(target, "max_rows", None)
+    if most and any(b > most for b in batch_sizes):  # an engine of one row (llama.cpp): its batch sizes only
+        if cfg.batch_sizes:
+            raise SpecPilotError(f"--batch-sizes {cfg.batch_sizes}: {target.name} decodes at most {most} row(s) at once")
+        batch_sizes = hp["batch_sizes"] = [b for b in batch_sizes if b <= most] or [1]
+        print(f"specpilot: {target.name} decodes at most {most} row(s) at once: batch sizes {batch_sizes}", file=sys.stderr)
     draft = load_draft(cfg.draft, target, cfg.dtype)
     seen = getattr(draft, "distilled_on", None)  # a trained head: never tune on the prompts it learned from
     if seen is not None:
@@ -267,7 +273,8 @@ def resolve_run(cfg: TrainConfig) -> Run:
     out = policy_dir(device_key, draft.name, root, target_name)
     (out / "run").mkdir(parents=True, exist_ok=True)
     return Run(cfg, device_key, hardware_name, torch_device, simulated, hp, seeds, batch_sizes,
-               [int(b) for b in hp.get("real_batch_sizes") or batch_sizes], train_prompts, test_prompts, target, draft,
+               [b for b in (int(b) for b in hp.get("real_batch_sizes") or batch_sizes) if b in batch_sizes] or batch_sizes,
+               train_prompts, test_prompts, target, draft,
                real_prompts, mode, out, loads, condition_paths(cfg, hp, device_key, draft.name, target_name, own_profile) if mode != "real" else [],
                holdout_ids, fresh_inputs=fresh)
 

@@ -244,7 +244,7 @@ def _versus(cfg, runs, summary: dict, markdown):
     if cfg.versus not in summary["policies"]:
         raise SpecPilotError(f"--versus {cfg.versus} is not one of the policies run ({', '.join(summary['policies'])})")
     rows = [asdict(r) for r in runs]
-    table = {p: paired_ratios(rows, p, cfg.versus) for p in summary["policies"] if p not in ("none", cfg.versus)}
+    table = {p: paired_ratios(rows, p, cfg.versus) for p in summary["policies"] if p != cfg.versus}
     summary["versus"] = {"policy": cfg.versus, "cells": table}
     print(versus_markdown(cfg.versus, table))
     return lambda *args: markdown(*args) + versus_markdown(cfg.versus, table)

@@ -10,6 +10,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -21,6 +22,9 @@ from .observation import FEATURES
 from .paths import POLICIES, pair_name, profile_path, read_json_file, search_roots, target_key
 from .policies import ActionTable, LengthPolicy, at_or_below, batch_of
 from .rule_spec import parse_rule
+
+if TYPE_CHECKING:
+    from .drafters import StopRule
 
 FORMAT_VERSION = 1
 MIN_FEATURE_STD = 0.02

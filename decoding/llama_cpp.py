@@ -153,6 +153,8 @@ class LlamaOutput:
 class LlamaCppTarget(Target):
     """A GGUF target decoded by llama.cpp; the tokenizer is transformers' (same ids, the chat template)."""
 
+    max_rows = 1
+
     def new_cache(self) -> LlamaCache:
         return LlamaCache(self.model.llm)
 

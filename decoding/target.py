@@ -19,6 +19,8 @@ class Target:
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     threads: Any = None
     """A ThreadGovernor (decoding/threads.py) the loop applies before each target pass; None = torch's count as set."""
+    max_rows = None
+    """The most rows one forward decodes (None: any batch; llama.cpp's: 1)."""
 
     @property
     def device(self) -> torch.device:
