@@ -56,6 +56,12 @@ def filler_ids(prompt_ids: list[int], length: int) -> list[int]:
     return (list(prompt_ids) * (length // max(1, len(prompt_ids)) + 1))[:length]
 
 
+def steps_budget(k_max: int, repeats: int) -> int:
+    """The most tokens `_timed_steps` appends (every draft accepted): per repeat a plain step and, per k, a plain step,
+    the k step (k + 1 tokens) and a plain step; the warm-up's k_max + 2."""
+    return repeats * (1 + 3 * k_max + k_max * (k_max + 1) // 2) + k_max + 2
+
+
 def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_lens=(64, 256, 1024),
                   repeats: int = 5, progress=None, batch_sizes=(), grid_context_lens=()) -> dict:
     """{context_lens, k, verify_s[c][k], draft_s_per_token[c], noise}: medians over `repeats`; with
@@ -63,7 +69,7 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
     with `grid_context_lens` too the full grid: every batch size at each of those context lengths."""
     target = dataclasses.replace(target, eos_ids=frozenset())  # an EOS must not end a timing sequence
     window = target.context_window or 10**9
-    lens = [c for c in context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
+    lens = [c for c in context_lens if c + steps_budget(k_max, repeats) < window]
     if not lens:
         raise SpecPilotError(f"every --context-lens value {list(context_lens)} leaves no room in the target's context "
                              f"window ({window} tokens) for {repeats} repeats of k = 0..{k_max}; use shorter contexts")
@@ -74,7 +80,7 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
     verify, draft_cost, spreads, hardware = [], [], [], []
     randomizer = RandomDrafter(target.vocab_size)
     for c in lens:
-        budget = repeats * (k_max + 1) * (k_max + 2) + 4
+        budget = steps_budget(k_max, repeats)
         state = start(target, randomizer, filler_ids(prompt_ids, c), budget)
         samples = _timed_steps(state, k_max, repeats, progress, lambda: hardware.append(monitor.read()))
         verify.append([statistics.median(samples[k]) for k in range(k_max + 1)])
@@ -86,7 +92,7 @@ def profile_costs(target, draft, prompt_ids: list[int], k_max: int = 8, context_
                "hardware_features": list(HW_FEATURES)}
     if batch_sizes and lens:
         profile.update(profile_batches(target, draft, prompt_ids, k_max, lens[0], repeats, batch_sizes, progress))
-    grid_lens = [c for c in grid_context_lens if c + repeats * (k_max + 2) * (k_max + 1) < window]
+    grid_lens = [c for c in grid_context_lens if c + steps_budget(k_max, repeats) < window]
     if batch_sizes and grid_lens:
         profile["grid"] = profile_grid(target, draft, prompt_ids, k_max, grid_lens, repeats, batch_sizes, progress)
     return profile
@@ -139,7 +145,7 @@ def profile_batches(target, draft, prompt_ids, k_max: int, context_len: int, rep
     randomizer = RandomDrafter(target.vocab_size)
     verify, draft_cost = [], []
     for b in batch_sizes:
-        budget = repeats * (k_max + 1) * (k_max + 2) + 4
+        budget = steps_budget(k_max, repeats)
         # one row is timed as `generate` decodes one prompt: unbatched (no slot mask), the path the benchmark's
         # B = 1 runs (a batch of one takes the masked path; their costs measured alike)
         rows = filler_ids(prompt_ids, context_len) if b == 1 else [filler_ids(prompt_ids, context_len)] * b
@@ -169,18 +175,34 @@ def measure_counters(target, prompt_ids: list[int], seconds: float, settle_s: fl
 
 
 def _timed_steps(state, k_max: int, repeats: int, progress=None, after_step=None) -> dict[int, list[float]]:
-    """Verify seconds of `repeats` steps per k = 0..k_max, the order of k rotated every repeat."""
-    speculative_step(state, k_max)  # warm-up
+    """Verify seconds of `repeats` steps per k = 0..k_max, priced as the loop runs them: a plain step after a plain
+    one (as most plain steps come), a drafting step after a plain one plus what it adds to the plain step after it.
+    An engine that keeps the graph of the last batch shape (llama.cpp) rebuilds it at every change of shape, about
+    a millisecond here: timed in a rotation of k, every step paid it, plain steps included, and a drafting step's
+    price left out the plain step's it causes (the loop's drafting steps cost 1.10x their price, relative to plain
+    ones, by `benchmark.py --replay-check`). The order of k is rotated every repeat."""
+    def step(k: int) -> float:
+        seconds = speculative_step(state, k).verify_s
+        if after_step:
+            after_step()
+        return seconds
+
+    step(k_max)  # warm-up
+    step(0)
     samples: dict[int, list[float]] = {k: [] for k in range(k_max + 1)}
     for r in range(repeats):
-        order = list(range(k_max + 1))
-        order = order[r % len(order):] + order[: r % len(order)]
+        order = list(range(1, k_max + 1))
+        order = order[r % len(order):] + order[: r % len(order)] if order else []
+        samples[0].append(step(0))
         for k in order:
-            samples[k].append(speculative_step(state, k).verify_s)
-            if after_step:
-                after_step()
+            before = step(0)
+            drafted = step(k)
+            samples[0].append(before)
+            samples[k].append(drafted + step(0) - before)
             if progress:
                 progress.update()
+        if progress:
+            progress.update()
     return samples
 
 

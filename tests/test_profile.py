@@ -97,3 +97,29 @@ def test_context_fit_recovers_lines_through_noise_and_refits_from_the_medians(tm
     capsys.readouterr()
     assert run_cli(profile_main, ["--refit", str(path), "--context-fit", "cubic"]) == 2
     assert "--context-fit must be one of" in capsys.readouterr().err
+
+
+def test_a_step_is_priced_as_the_loop_runs_it_when_a_change_of_shape_costs(monkeypatch):
+    """An engine that rebuilds its graph when the batch shape changes (llama.cpp) makes a step's seconds depend on
+    the step before. The profile prices a plain step after a plain one (as most come) and a drafting step with the
+    rebuild it pays and the one it causes the plain step after it: exactly so for a fake loop with a fixed switch
+    cost (a rotation of k, as timed before, charged every plain step the switch and no drafting step the second)."""
+    from types import SimpleNamespace
+
+    import specpilot.env.profile as profile
+
+    plain, per_token, switch = 0.010, 0.003, 0.001
+    last = {"k": None}
+
+    def fake_step(state, k):
+        seconds = plain + per_token * k + (switch if last["k"] is not None and last["k"] != k else 0.0)
+        last["k"] = k
+        return SimpleNamespace(verify_s=seconds)
+
+    monkeypatch.setattr(profile, "speculative_step", fake_step)
+    samples = profile._timed_steps(None, k_max=4, repeats=3)
+    assert sorted(samples) == [0, 1, 2, 3, 4] and all(len(samples[k]) == 3 for k in range(1, 5))
+    assert all(abs(s - plain) < 1e-12 for s in samples[0])  # no switch charged to a plain step after a plain one
+    for k in range(1, 5):  # its own rebuild and the plain step's after it
+        assert all(abs(s - (plain + per_token * k + 2 * switch)) < 1e-12 for s in samples[k])
+    assert profile.steps_budget(4, 3) >= 3 * (1 + sum(1 + (k + 1) + 1 for k in range(1, 5))) + 4 + 2
