@@ -9,7 +9,7 @@ from specpilot.decoding.config import parse_config
 from specpilot.decoding.learned import LearnedK
 
 from .train_phases import plain_speed_phase, plan_phases, train_members
-from .train_prepare import load_replay_data, resolve_run
+from .train_prepare import draft_phase, load_replay_data, resolve_run
 from .train_select import defer_phase, evaluate_phase
 
 
@@ -36,7 +36,9 @@ class TrainConfig:
     target: str = "embedded"
     """Target model: 'embedded' (SmolLM2-135M-Instruct, offline), a hub id, a folder or a .gguf file."""
     draft: str = "ngram"
-    """Drafter: ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH."""
+    """Drafter: ngram | ngram:N | default (the trained head) | hybrid | self:bf16 | MODEL_ID_OR_PATH | auto (first the
+    draft whose tuned rule is fastest on held-out train prompts here, agents/pair_select.py, recorded for
+    generate.py --draft auto; then that draft's policy)."""
     env: str = "auto"
     """real | replay | both (pre-train on the replay env, fine-tune on the real loop) | auto (both, after measuring
     here the cost profile and the train split's traces this device and (target, draft) pair lack: `prepare_phase`)."""
@@ -102,6 +104,7 @@ class TrainConfig:
 def train_main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TrainConfig, argv) if not isinstance(argv, TrainConfig) else argv
     started = time.perf_counter()
+    draft_phase(cfg)
     run = resolve_run(cfg)
     if run.mode in ("replay", "both"):
         run.replay = load_replay_data(run)

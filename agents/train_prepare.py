@@ -17,6 +17,7 @@ from specpilot.decoding.hardware import LOAD_READING, resolve, shared_monitor
 from specpilot.decoding.models import load_draft, load_target
 from specpilot.decoding.paths import (
     atomic_write_text,
+    draft_choice_path,
     load_profile_path,
     output_dir,
     policy_dir,
@@ -36,6 +37,7 @@ from specpilot.env.oracle import (
 )
 from specpilot.env.replay_env import MachineCondition
 
+from .pair_select import PairConfig, choose_draft
 from .ppo import load_hyperparams
 from .select import held_out
 from .train_plan import (
@@ -215,6 +217,29 @@ def load_profiles_phase(pcfg, hp: dict, target, draft, device_key: str, hardware
                           hardware_name, Path(lcfg.out))
 
 
+def train_root(cfg: TrainConfig) -> Path:
+    """Where the run writes its policy (OUT/DEVICE/PAIR) and a draft choice (OUT/DEVICE/auto): --out, else
+    runs/quick with --quick, else policies/ (`paths.output_dir`)."""
+    return Path(cfg.out) if cfg.out else (output_dir("policies").parent / "runs" / "quick" if cfg.quick
+                                          else output_dir("policies"))
+
+
+def draft_phase(cfg: TrainConfig) -> None:
+    """Phase 0 (--draft auto): the draft whose tuned rule is fastest on held-out train prompts (agents/pair_select.py,
+    --quick: one repeat of a few short prompts) becomes the run's --draft; the choice is written beside the policy."""
+    if cfg.draft != "auto":
+        return
+    recorded = draft_choice_path(resolve(cfg.device).key, cfg.target, train_root(cfg))
+    if cfg.resume and recorded.exists():  # a resumed run keeps the draft it chose
+        cfg.draft = read_json_file(recorded, "draft choice", keys=("draft",))["draft"]
+        print(f"specpilot: --resume: the draft chosen before, '{cfg.draft}' ({relative(recorded)})", file=sys.stderr)
+        return
+    quick = {"repeats": 1, "max_new_tokens": 16} if cfg.quick else {}
+    pcfg = PairConfig(device=cfg.device, dtype=cfg.dtype, target=cfg.target, prompts=cfg.prompts,
+                      out=str(train_root(cfg)), progress=cfg.progress, **quick)
+    cfg.draft, _ = choose_draft(pcfg, "python scripts/train_policy.py " + " ".join(sys.argv[1:]))
+
+
 def resolve_run(cfg: TrainConfig) -> Run:
     """Phase 1: the device, the hyperparameters (YAML, --hp, --quick), the prompts, the models, the output folder."""
     simulated = simulated_profile(cfg)
@@ -269,8 +294,7 @@ def resolve_run(cfg: TrainConfig) -> Run:
         if cfg.env != "real" else set()
     real_prompts = fitting_prompts(target, [p for p in train_prompts if p.question_id not in holdout_ids],
                                    int(hp["max_new_tokens"]) + k_max + 1)
-    root = cfg.out or (output_dir("policies").parent / "runs" / "quick" if cfg.quick else output_dir("policies"))
-    out = policy_dir(device_key, draft.name, root, target_name)
+    out = policy_dir(device_key, draft.name, train_root(cfg), target_name)
     (out / "run").mkdir(parents=True, exist_ok=True)
     return Run(cfg, device_key, hardware_name, torch_device, simulated, hp, seeds, batch_sizes,
                [b for b in (int(b) for b in hp.get("real_batch_sizes") or batch_sizes) if b in batch_sizes] or batch_sizes,

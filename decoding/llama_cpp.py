@@ -154,6 +154,7 @@ class LlamaCppTarget(Target):
     """A GGUF target decoded by llama.cpp; the tokenizer is transformers' (same ids, the chat template)."""
 
     max_rows = 1
+    hidden_states = False
 
     def new_cache(self) -> LlamaCache:
         return LlamaCache(self.model.llm)

@@ -28,8 +28,9 @@ from .hardware import cpu_key, torch_device_of
 from .threads import THREAD_MODES, ThreadGovernor
 from .head_draft import HeadDrafter, default_draft_folder, is_head_folder, load_head
 from .hybrid import HybridDrafter
+from .paths import draft_choice_path, read_json_file
 
-DRAFT_HELP = "default (the trained draft head) | HEAD_FOLDER | ngram | ngram:N | hybrid (prompt lookup and the head, the source chosen per step) | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
+DRAFT_HELP = "auto (the draft chosen for this device: agents/pair_select.py) | default (the trained draft head) | HEAD_FOLDER | ngram | ngram:N | hybrid (prompt lookup and the head, the source chosen per step) | self:bf16 | MODEL_ID_OR_PATH (same tokenizer as the target)"
 
 
 def cache_dir() -> Path:
@@ -315,10 +316,31 @@ def draft_name(spec: str) -> str:
     return "default" if spec in ("default", "head") else spec
 
 
+def resolve_draft(spec: str, device_key: str, target: str | None = None) -> str:
+    """`auto`: the draft recorded for this device and target (`paths.draft_choice_path`, written by
+    `python scripts/train_policy.py --draft auto`); any other spelling as given."""
+    if spec != "auto":
+        return spec
+    path = draft_choice_path(device_key, target)
+    if not path.exists():
+        raise SpecPilotError(f"--draft auto: no draft chosen for device '{device_key}' ({path}); choose one with "
+                             f"python scripts/train_policy.py --device {device_key} --draft auto")
+    chosen = read_json_file(path, "draft choice", keys=("draft",))["draft"]
+    if chosen == "auto":
+        raise SpecPilotError(f"{path}: the chosen draft cannot be 'auto'")
+    return chosen
+
+
 def load_draft(spec: str | None, target: Target, dtype: str = "auto") -> Drafter | None:
     """A drafter from its CLI spelling (see DRAFT_HELP); None for no draft."""
     if spec in (None, "", "none"):
         return None
+    if spec == "auto":
+        raise SpecPilotError("draft 'auto' names a recorded choice: resolve it first (decoding.models.resolve_draft)")
+    head_kind = spec in ("default", "head", "hybrid") or is_head_folder(spec)
+    if head_kind and not getattr(target, "hidden_states", True):
+        raise SpecPilotError(f"draft '{spec}' reads the target's hidden states, which {target.name} does not give: "
+                             "use a draft that needs none (ngram)")
     if spec in ("default", "head") or is_head_folder(spec):
         folder = default_draft_folder() if spec in ("default", "head") else Path(spec).expanduser()
         return HeadDrafter(load_head(folder), target.model, name="default" if spec in ("default", "head") else spec)

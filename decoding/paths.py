@@ -152,6 +152,12 @@ def policy_dir(device_key: str, draft_name: str, root: str | Path | None = None,
     return Path(root) / device_key / pair_name(draft_name, target)
 
 
+def draft_choice_path(device_key: str, target: str | None = None, root: str | Path | None = None) -> Path:
+    """ROOT/DEVICE/auto/choice.json (TARGET-auto for another target): the draft `--draft auto` decodes with on this
+    device, chosen by agents/pair_select.py (without a root: the first lookup root that holds it)."""
+    return policy_dir(device_key, "auto", root, target) / "choice.json"
+
+
 def relative(path: str | Path) -> str:
     """A path as a report should record it: relative to the working directory when it lies below it."""
     p = Path(path)

@@ -21,6 +21,8 @@ class Target:
     """A ThreadGovernor (decoding/threads.py) the loop applies before each target pass; None = torch's count as set."""
     max_rows = None
     """The most rows one forward decodes (None: any batch; llama.cpp's: 1)."""
+    hidden_states = True
+    """Whether a forward gives the hidden states a draft head reads (llama.cpp's does not)."""
 
     @property
     def device(self) -> torch.device:
