@@ -19,6 +19,7 @@ from specpilot.decoding.observation import FEATURES
 from specpilot.decoding.policies import LengthPolicy
 from specpilot.decoding.prompts import batches_of
 from specpilot.env.replay_env import ReplayEnv, replay_episode
+from specpilot.env.sources import step_seconds
 
 
 class Recorder(LengthPolicy):
@@ -32,6 +33,11 @@ class Recorder(LengthPolicy):
     def stop(self):
         """The wrapped policy's stop rule as it stands (a learned or adaptive policy sets it as it decides)."""
         return self.policy.stop
+
+    @property
+    def source(self):
+        """The wrapped policy's draft source as it stands (a hybrid policy names one per step; None: the draft's default)."""
+        return getattr(self.policy, "source", None)
 
     def reset(self) -> None:
         self.policy.reset()
@@ -55,10 +61,11 @@ def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]
     real = Recorder(policy)
     generate(target, draft, real, [prompt_ids[i] for i in groups[0]], 4)  # warm-up, not recorded
     real.seen.clear()
-    steps = []
+    steps, prices = [], []
     for group in groups:
         out = generate(target, draft if policy.k_max > 0 else None, real, [prompt_ids[i] for i in group], max_new_tokens)
         steps.extend(out.steps)
+        prices.extend(step_prices(out.steps, cost, traces[group[0]] if len(group) == 1 else None))
     replay = Recorder(policy)
     env = ReplayEnv(traces, cost, k_max=k_max, noise=0.0, hardware=hardware, batch_sizes=[batch_size],
                     max_new_tokens=max_new_tokens)
@@ -80,27 +87,50 @@ def replay_check(target, draft, policy: LengthPolicy, prompt_ids: list[list[int]
         "real_k": hist["real"].tolist(),
         "replay_k": hist["replay"].tolist(),
         "k_distance": float(0.5 * np.abs(p - q).sum()),
-        "costs": step_cost_check(steps, cost),
+        "costs": step_cost_check(steps, cost, prices),
         "features": {name: [float(a), float(b), float(z)]
                      for name, a, b, z in zip(FEATURES, real_obs.mean(axis=0), replay_obs.mean(axis=0), shift)},
     }
 
 
-def step_cost_check(steps, cost) -> dict:
-    """Real step seconds against the profile's price of the same step (its k, context length and batch
-    size). Absolute speed drifts between machines and hours, so prices are scaled by the plain (k = 0)
+def step_prices(steps, cost, trace=None) -> list[float]:
+    """The replay's price of each step of one generation: the profile's (its k, context length and batch size), and
+    for one row of a hybrid draft with its trace (`trace`), re-priced by the step's source as the replay env prices
+    it (env.sources: lookup tokens free, an extension's copied tokens at ADVANCE_SHARE of a head token)."""
+    prices, position = [], 0
+    for s in steps:
+        table, per_token = cost.step_costs(s.context_len, s.batch_size)
+        if trace is not None and trace.sources and s.k:
+            prices.append(step_seconds(table, per_token, trace, s.source, position, s.k))
+        else:
+            prices.append(float(table[s.k]))
+        position += len(s.new_tokens)
+    return prices
+
+
+def step_cost_check(steps, cost, prices: list[float] | None = None) -> dict:
+    """Real step seconds against the replay's price of the same step (`prices`, default `step_prices` without a
+    trace). Absolute speed drifts between machines and hours, so prices are scaled by the plain (k = 0)
     steps' real / priced ratio (every step's when none was plain): "by_k" maps each k to [steps,
-    real mean seconds, priced mean seconds, (real / priced) / scale]; "real_over_priced" is the whole
-    run's (real / priced) / scale, the factor by which the replay under-prices this policy's steps."""
+    real mean seconds, priced mean seconds, (real / priced) / scale], "by_source" each drafting source (a hybrid's:
+    lookup, head, extend) likewise; "real_over_priced" is the whole run's (real / priced) / scale, the factor by
+    which the replay under-prices this policy's steps."""
     real = np.array([s.draft_s + s.verify_s for s in steps], dtype=np.float64)
-    priced = np.array([cost.step_costs(s.context_len, s.batch_size)[0][s.k] for s in steps], dtype=np.float64)
+    priced = np.array(prices if prices is not None else step_prices(steps, cost), dtype=np.float64)
     ks = np.array([s.k for s in steps])
     plain = ks == 0
     base = plain if plain.any() else np.ones_like(plain)
     scale = real[base].sum() / priced[base].sum()
-    by_k = {int(k): [int((ks == k).sum()), float(real[ks == k].mean()), float(priced[ks == k].mean()),
-                     float(real[ks == k].sum() / priced[ks == k].sum() / scale)] for k in np.unique(ks)}
-    return {"scale": float(scale), "by_k": by_k, "real_over_priced": float(real.sum() / priced.sum() / scale)}
+
+    def cell(mask) -> list:
+        return [int(mask.sum()), float(real[mask].mean()), float(priced[mask].mean()),
+                float(real[mask].sum() / priced[mask].sum() / scale)]
+
+    by_k = {int(k): cell(ks == k) for k in np.unique(ks)}
+    sources = np.array([(getattr(s, "source", None) or "") if s.k else "" for s in steps])
+    by_source = {str(x): cell(sources == x) for x in np.unique(sources) if x}
+    return {"scale": float(scale), "by_k": by_k, "by_source": by_source,
+            "real_over_priced": float(real.sum() / priced.sum() / scale)}
 
 
 def format_check(name: str, result: dict, top: int = 3) -> str:
@@ -111,7 +141,9 @@ def format_check(name: str, result: dict, top: int = 3) -> str:
             f"distance {result['k_distance']:.2f}  most moved (sd): {features}\n"
             f"{'':<16}step seconds / profile price, relative to plain steps: whole run "
             f"{result['costs']['real_over_priced']:.3f}; by k " + ", ".join(
-                f"{k}: {r:.2f} (n={n})" for k, (n, _, _, r) in result["costs"]["by_k"].items()))
+                f"{k}: {r:.2f} (n={n})" for k, (n, _, _, r) in result["costs"]["by_k"].items())
+            + "".join("; by source " + ", ".join(f"{x}: {r:.2f} (n={n})" for x, (n, _, _, r) in by_source.items())
+                      for by_source in [result["costs"].get("by_source") or {}] if by_source))
 
 
 SPEED_TOLERANCE = 1.33

@@ -118,16 +118,17 @@ class HybridDrafter:
         (`HeadDrafter.draft_on`); a lookup token's draft distribution is a point mass on it."""
         head = self.head
         n = 0 if copied is None else copied.shape[1]
+        if n >= k:  # the lookup fills the draft alone: its own draft (a point mass), the head not advanced through it
+            return Draft(tokens=copied, confidences=[1.0] * n, entropies=[0.0] * n, match_len=match)
+        point = None
+        if n and not sampling.greedy:
+            point = torch.nn.functional.one_hot(copied, head.vocab_size).to(head.head_weight.dtype)
         state = head.head.start(target_hidden)
         token = torch.stack([c[-1] for c in contexts])
         for j in range(n):  # the head reads the copied tokens as it reads its own
             state = head.head.advance(state, head.embed(token))
             token = copied[:, j]
-        drafted = None
-        if n:
-            point = (None if sampling.greedy else
-                     torch.nn.functional.one_hot(copied, head.vocab_size).to(head.head_weight.dtype))
-            drafted = Draft(tokens=copied, probs=point, confidences=[1.0] * n, entropies=[0.0] * n)
+        drafted = Draft(tokens=copied, probs=point, confidences=[1.0] * n, entropies=[0.0] * n) if n else None
         draft = head.draft_on(state, token, k - n, sampling, generator, stop, contexts[0].device, drafted)
         draft.match_len = match
         return draft

@@ -65,3 +65,40 @@ def test_the_source_rules_decide_as_defined():
         parse_policy("hybrid-sam", 8, draft="ngram:3")
     with pytest.raises(SpecPilotError, match="unknown draft source"):
         parse_policy("source:both:2", 8, draft="hybrid")
+
+
+@pytest.mark.embedded
+def test_an_extension_the_lookup_fills_alone_is_the_lookups_draft_without_the_head(hybrid, monkeypatch):
+    import torch
+
+    from specpilot.decoding.drafters import hidden_features
+    from specpilot.decoding.sampling import Sampling
+
+    target, draft = hybrid
+    ids = target.encode(PROMPTS[0], chat=False)
+    context = torch.tensor(ids)
+    with torch.inference_mode():
+        out = target.model(input_ids=context[None, :-1], output_hidden_states=True)
+    hidden = hidden_features(out.hidden_states, draft)[:, -1]
+    draft.reset(context)
+    lookup = draft.lookup.lookup(context, 64)[0]  # all the lookup can propose here
+    assert 2 <= lookup.shape[0] < 64  # the prompt repeats itself: the lookup has a continuation
+    advances = []
+    real_advance = draft.head.head.advance
+    monkeypatch.setattr(draft.head.head, "advance", lambda *a: advances.append(1) or real_advance(*a))
+    n = lookup.shape[0]
+    alone = draft.propose(context, n, Sampling(), None, target_hidden=hidden, source="extend")
+    assert alone.tokens.tolist() == lookup.tolist() and advances == []  # a broken skip would advance n times
+    longer = draft.propose(context, n + 2, Sampling(), None, target_hidden=hidden, source="extend")
+    assert longer.tokens[:n].tolist() == lookup.tolist() and longer.tokens.shape[0] == n + 2
+    assert len(advances) == n + 2  # through the copied tokens, then one per head token
+
+
+def test_the_replay_checks_recorder_passes_on_the_source_its_policy_chose():
+    """The replay check runs a policy inside a Recorder: the loop and the replay env read the step's source off it (a
+    Recorder without it ran every hybrid policy on the default source)."""
+    from specpilot.bench.replay_check import Recorder
+
+    recorder = Recorder(SamK(4, 8, 2, 0.3))
+    assert recorder.choose_k(obs(suffix=5)) == 8 and recorder.source == "lookup" and recorder.stop is None
+    assert recorder.choose_k(obs(suffix=1)) == 2 and recorder.source == "head" and recorder.stop.min_confidence == 0.3

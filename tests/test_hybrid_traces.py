@@ -103,7 +103,8 @@ def brute_force(trace: Trace, cost: CostModel, k_max: int, i: int = 0, memo: dic
     for source, k in itertools.product(("lookup", "head", "extend"), range(k_max + 1)):
         view = source_view(trace, source)
         d = min(k, view.available[i], n - i - 1)
-        price = {"lookup": 0.0, "head": d, "extend": ADVANCE_SHARE * min(d, trace.available[i]) + d - min(d, trace.available[i])}
+        copied = min(d, trace.available[i])
+        price = {"lookup": 0.0, "head": d, "extend": 0.0 if copied == d else ADVANCE_SHARE * copied + d - copied}
         seconds = table[d] - per_token * d + per_token * price[source]
         best = min(best, seconds + brute_force(trace, cost, k_max, i + min(d, view.matches[i]) + 1, memo))
     memo[i] = best
@@ -131,14 +132,17 @@ def test_the_oracle_over_sources_is_the_brute_force_minimum_and_its_replay_costs
 
 
 def switching_traces(n: int = 6, length: int = 36, k: int = 4, span: int = 6) -> list[Trace]:
-    """Copied spans and free text alternating every `span` tokens (shifted per trace): in a span the lookup drafts k right
-    tokens (its match 3 long), outside it has nothing and the head drafts k right ones; the extension is the lookup's
-    copy in a span (its copied tokens read by the head: dearer) and the head's draft outside."""
+    """Copied spans and free text alternating every `span` tokens (shifted per trace): in a span the lookup drafts k / 2
+    right tokens (its match 3 long) and the head none, outside the lookup has nothing and the head drafts k right ones;
+    the extension is the lookup's copy in a span, then the head's wrong tokens (read through the copy: dearer) when k
+    asks for more, and the head's draft outside. No single source at a fixed k is right in both."""
     out = []
     for t in range(n):
         good = [((i + 2 * t) // span) % 2 == 0 for i in range(length)]
         cut = [lambda m, i=i: min(m, length - i - 1) for i in range(length)]
-        lookup = {"matches": [cut[i](k if g else 0) for i, g in enumerate(good)], "available": [k if g else 0 for g in good]}
+        half = k // 2
+        lookup = {"matches": [cut[i](half if g else 0) for i, g in enumerate(good)],
+                  "available": [half if g else 0 for g in good]}
         head = {"matches": [cut[i](0 if g else k) for i, g in enumerate(good)], "available": [k] * length,
                 "confidences": [[0.9] * k] * length, "entropies": [[0.5] * k] * length}
         extend = {"matches": [lookup["matches"][i] if g else head["matches"][i] for i, g in enumerate(good)],
@@ -173,9 +177,11 @@ def test_a_warm_start_over_sources_learns_which_source_drafts_where_the_features
     env = ReplayEnv(traces, cost, k_max=k, noise=0.0, sources=ACTION_SOURCES)
     chosen = []
     update = policy.update
-    policy.update = lambda step: (chosen.append((step.source, step.match_len)), update(step))
+    policy.update = lambda step: (chosen.append((step.source, step.match_len, step.k)), update(step))
     replay_episode(env, policy, [0])
-    assert {s for s, m in chosen if m == 3} == {"lookup"} and "lookup" not in {s for s, m in chosen if m == 0}
+    # in a span only the lookup's tokens (the lookup, or an extension it fills alone: the same draft at the same price)
+    assert all(s == "lookup" or (s == "extend" and d <= k // 2) for s, m, d in chosen if m == 3)
+    assert "lookup" not in {s for s, m, _ in chosen if m == 0}
 
 
 def test_the_field_rules_over_sources_are_tuned_on_hybrid_traces_and_a_policy_file_names_its_sources(tmp_path):
@@ -208,3 +214,28 @@ def test_the_field_rules_over_sources_are_tuned_on_hybrid_traces_and_a_policy_fi
                         sources=ACTION_SOURCES)
     policy = LearnedK.load(path, allow_device_mismatch=True)
     assert policy.choose_k(np.zeros(n, dtype=np.float32)) == 3 and policy.source == "lookup" and policy.stop is None
+
+
+def test_the_replay_checks_price_of_a_hybrid_step_is_the_replay_envs():
+    """`bench.replay_check.step_prices` re-prices each real step by its source as the replay env does: fed the replay's
+    own steps (noise-free, every source, copies the lookup fills alone and longer extensions), it returns their seconds;
+    the source-blind price (the profile's table) differs on them, so the check would catch a replay-check that ignored
+    the source."""
+    from specpilot.bench.replay_check import step_prices
+    from specpilot.decoding.hybrid import SourceBanditK
+
+    rng = np.random.default_rng(4)
+    cost = cost_model()
+    for t in range(4):
+        trace = random_trace(rng, 16)
+        env = ReplayEnv([trace], cost, k_max=4, noise=0.0)
+        policy = SourceBanditK(arms=(("lookup", 3), ("head", 2), ("extend", 1), ("extend", 4)), c=2.0)
+        steps = []
+        update = policy.update
+        policy.update = lambda step: (steps.append(step), update(step))
+        replay_episode(env, policy, [0])
+        assert {s.source for s in steps if s.k} >= {"head", "extend"}
+        seconds = [s.draft_s + s.verify_s for s in steps]
+        assert step_prices(steps, cost, trace) == pytest.approx(seconds, rel=1e-12)
+        blind = step_prices(steps, cost)
+        assert any(abs(a - b) > 1e-9 for a, b in zip(blind, seconds))

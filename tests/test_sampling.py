@@ -128,8 +128,9 @@ def sharp_pair():
     return tiny_llama(vocab=V_SHARP, seed=5), tiny_llama(vocab=V_SHARP, seed=9)
 
 
-def two_token_law(target_model, draft, prompts, sampling, n, rows=200, seed0=0):
-    """Empirical law of the first two tokens after each prompt over n speculative runs (k = 2).
+def two_token_law(target_model, draft, prompts, sampling, n, rows=200, seed0=0, new_tokens=2):
+    """Empirical law of the first two tokens after each prompt over n speculative runs (k = 2: with `new_tokens` 2
+    the first step drafts one token, the budget's last comes from the verify; 3 lets it draft two).
 
     The runs are the rows of batches (`rows` per call, the prompts alternating), so the batched path is
     the one under test; `rows=1` runs one sequence at a time (the single-sequence path)."""
@@ -137,10 +138,10 @@ def two_token_law(target_model, draft, prompts, sampling, n, rows=200, seed0=0):
     accepted = 0
     for call in range(n * len(prompts) // rows):
         batch = [prompts[i % len(prompts)] for i in range(rows)]
-        result = generate(tiny_target(target_model), draft, StaticK(2), batch if rows > 1 else batch[0], 2, sampling,
-                          seed=seed0 + call)
+        result = generate(tiny_target(target_model), draft, StaticK(2), batch if rows > 1 else batch[0], new_tokens,
+                          sampling, seed=seed0 + call)
         tokens = result.token_ids if rows > 1 else [result.token_ids]
-        for i, (a, b) in enumerate(tokens):
+        for i, (a, b, *_) in enumerate(tokens):
             counts[i % len(prompts), a, b] += 1
         accepted += sum(result.steps[0].accepted_rows)
     return counts / n, accepted
@@ -185,7 +186,7 @@ def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does
                             vocab_ids=[0, 1, 2, 6], target_vocab_size=V_SHARP,
                             target_signature=target_signature(target_model))
         head = HeadDrafter(DraftHead(config).to(target_model.dtype).eval(), target_model)
-        if kind == "hybrid":  # `extend`: the lookup's one token (a point mass on 5), then one from the head
+        if kind == "hybrid":  # `extend` at k = 2: the lookup's one token (a point mass on 5), then one from the head
             from specpilot.decoding.hybrid import HybridDrafter
 
             head, prompts = HybridDrafter(NgramDrafter(2), head), [[4, 0, 6, 5, 5]]
@@ -194,16 +195,16 @@ def test_speculative_sampling_follows_the_targets_law_and_a_broken_verifier_does
         draft = FirstProposal(NgramDrafter(2))
         prompts = [likely_lookup_prompt(target_model, sampling)]
     exacts = [exact_two_token_distribution(target_model, p, sampling) for p in prompts]
-    n = 4000
-    law, accepted = two_token_law(target_model, draft, prompts, sampling, n)
+    n, new_tokens = 4000, 3 if kind == "hybrid" else 2
+    law, accepted = two_token_law(target_model, draft, prompts, sampling, n, new_tokens=new_tokens)
     q_first = draft.q if draft.q is not None else torch.nn.functional.one_hot(torch.tensor(prompts[0][2]), V_SHARP).double()
-    if kind == "hybrid":
-        assert torch.equal(q_first, torch.nn.functional.one_hot(torch.tensor(5), V_SHARP).double())
+    if kind == "hybrid":  # the draft had probs, so the head drafted after the copy (a copy alone is a bare point mass)
+        assert draft.q is not None and torch.equal(q_first, torch.nn.functional.one_hot(torch.tensor(5), V_SHARP).double())
     assert total_variation(exacts[0].sum(1), q_first) >= 0.3  # sharp and different: rejections and residuals matter
     assert 0 < accepted < n * 2 * len(prompts)  # both accept and reject paths ran
     monkeypatch.setattr(specpilot.decoding.loop, "verify_sampling", verify_broken_no_residual)
     draft.q = None
-    broken, _ = two_token_law(target_model, draft, prompts, sampling, n, seed0=10**6)
+    broken, _ = two_token_law(target_model, draft, prompts, sampling, n, seed0=10**6, new_tokens=new_tokens)
     for row, exact in enumerate(exacts):
         tolerance = 1.6 * expected_noise(exact, n)
         tv, tv_broken = total_variation(law[row], exact), total_variation(broken[row], exact)
